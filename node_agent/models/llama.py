@@ -1,0 +1,222 @@
+"""Dense Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm)
+over a paged KV cache. Linear layers hold one weight format per phase."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pagoda.kernels.linear import LinearWeight, make_linear_weight
+from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from torch import nn
+
+from ..model_config import ModelConfig
+from ..step_batch import StepBatch
+
+PHASES = ("prefill", "decode")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class PhaseLinear:
+    """A linear layer holding a weight per phase (shared when both phases use the same format)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        formats: dict[str, str],
+        dtype: torch.dtype,
+        backend: str | None = None,
+    ) -> None:
+        self.by_phase: dict[str, LinearWeight] = {}
+        made: dict[str, LinearWeight] = {}
+        for phase in PHASES:
+            fmt = formats[phase]
+            if fmt not in made:
+                made[fmt] = make_linear_weight(weight, fmt, dtype, bias=bias, backend=backend)
+            self.by_phase[phase] = made[fmt]
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, phase: str) -> torch.Tensor:
+        return self.by_phase[phase].apply(x)
+
+    def unique_weights(self) -> list[LinearWeight]:
+        seen: dict[int, LinearWeight] = {id(w): w for w in self.by_phase.values()}
+        return list(seen.values())
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    t = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [T, H, D] with per-token cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None, :] + rot.float() * sin[:, None, :]).to(x.dtype)
+
+
+class DecoderLayer:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        idx: int,
+        w: dict[str, torch.Tensor],
+        formats: dict[str, str],
+        dtype: torch.dtype,
+        backend: str | None,
+    ) -> None:
+        p = f"model.layers.{idx}."
+        self.idx = idx
+        self.cfg = cfg
+
+        def lin(name: str) -> PhaseLinear:
+            return PhaseLinear(w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, backend)
+
+        self.q_proj, self.k_proj, self.v_proj = (
+            lin("self_attn.q_proj"),
+            lin("self_attn.k_proj"),
+            lin("self_attn.v_proj"),
+        )
+        self.o_proj = lin("self_attn.o_proj")
+        self.gate_proj, self.up_proj, self.down_proj = (
+            lin("mlp.gate_proj"),
+            lin("mlp.up_proj"),
+            lin("mlp.down_proj"),
+        )
+        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(w[p + "self_attn.q_norm.weight"].to(dtype), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(w[p + "self_attn.k_norm.weight"].to(dtype), cfg.rms_norm_eps)
+
+    def linears(self) -> list[PhaseLinear]:
+        return [
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.o_proj,
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+        ]
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: str):
+        cfg = self.cfg
+        t = h.shape[0]
+        q = self.q_proj(h, phase).view(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h, phase).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h, phase).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch) -> torch.Tensor:
+        cfg = self.cfg
+        phase = b.phase
+        q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
+        cache = b.pool.layers[self.idx]
+        scales = b.pool.scales[self.idx] if b.pool.scales is not None else {}
+        ks, vs = scales.get("k"), scales.get("v")
+        write_kv(cache["k"], cache["v"], k, v, b.slot_mapping, ks, vs, backend=b.kernel_backend)
+        scale = cfg.head_dim**-0.5
+        if phase == "decode":
+            o = paged_decode_attention(
+                q,
+                cache["k"],
+                cache["v"],
+                b.block_tables,
+                b.context_lens,
+                scale,
+                ks,
+                vs,
+                backend=b.kernel_backend,
+            )
+        else:
+            o = paged_prefill_attention(
+                q,
+                cache["k"],
+                cache["v"],
+                b.block_tables,
+                b.cu_q_lens,
+                b.context_lens,
+                scale,
+                ks,
+                vs,
+                backend=b.kernel_backend,
+            )
+        x = x + self.o_proj(o.reshape(x.shape[0], -1), phase)
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h, phase)) * self.up_proj(h, phase), phase)
+
+
+class LlamaForCausalLM:
+    """The whole decoder: embeddings, layers, final norm and LM head (tied or not)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        formats: dict[str, str],
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: str | None = None,
+        head_format: str = "bf16",
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        w = {k: v.to(device) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"].to(dtype)
+        self.layers = [DecoderLayer(cfg, i, w, formats, dtype, backend) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        self.lm_head = make_linear_weight(head, head_format, dtype, backend=backend)
+        self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
+
+    @torch.inference_mode()
+    def hidden(self, b: StepBatch) -> torch.Tensor:
+        """Run every layer (writing KV into the pool); returns the last hidden states [T, hidden]."""
+        x = F.embedding(b.input_ids, self.embed)
+        cos, sin = self.cos[b.positions], self.sin[b.positions]
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, b)
+        return x
+
+    @torch.inference_mode()
+    def forward(self, b: StepBatch) -> torch.Tensor:
+        """Run one step; returns logits [len(logits_indices), vocab] in float32."""
+        x = self.norm(self.hidden(b)[b.logits_indices])
+        return self.lm_head.apply(x).float()
+
+    def forward_no_logits(self, b: StepBatch) -> None:
+        """A prefill chunk that samples nothing: only its KV matters."""
+        self.hidden(b)
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes: linear layers of the blocks (all held formats) and the whole model."""
+        linear = sum(
+            w.nbytes for layer in self.layers for lin in layer.linears() for w in lin.unique_weights()
+        )
+        other = self.embed.numel() * self.embed.element_size() + self.lm_head.nbytes
+        other += sum(
+            n.weight.numel() * n.weight.element_size()
+            for layer in self.layers
+            for n in (layer.input_norm, layer.post_norm)
+        )
+        return {"linear": linear, "total": linear + other}

@@ -1,0 +1,225 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens.
+
+A step is either a *prefill* step (chunks of prompts, up to a token budget) or a *decode* step (one
+token for every running sequence). The two alternate while both have work, so new prompts join
+between decode steps without stalling running streams. Admission needs free pages above a
+watermark; when decode runs out of pages the newest running sequence is preempted (its pages are
+freed and it is recomputed later from its tokens, so its output is unchanged). FCFS throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_pool import KVPagePool, OutOfPages, PageRef
+from .prefix_hash import page_hashes
+from .sequence import SeqStatus, Sequence
+
+log = logging.getLogger("pagoda.scheduler")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # prefill tokens per step (chunk budget)
+    max_model_len: int = 2048
+    watermark: float = 0.01  # fraction of pages kept free when admitting new sequences
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class ScheduledStep:
+    phase: str  # "prefill" | "decode"
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes in this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
+
+    def __init__(self, config: SchedulerConfig, pool: KVPagePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._last_phase = "decode"
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence wherever it is and release its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free_pages(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.free_pages(seq)
+
+    def free_pages(self, seq: Sequence) -> None:
+        self.pool.release_all(seq.block_table)
+        seq.block_table = []
+        seq.page_hashes = []
+        seq.num_computed_tokens = 0
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> ScheduledStep | None:
+        """Pick the next step; None when there is nothing to do."""
+        decode_ready = [s for s in self.running if not s.needs_prefill]
+        want_prefill = bool(self.waiting) or any(s.needs_prefill for s in self.running)
+        if want_prefill and (not decode_ready or self._last_phase == "decode"):
+            step = self._schedule_prefill()
+            if step is not None:
+                self._last_phase = "prefill"
+                return step
+        if decode_ready:
+            step = self._schedule_decode()
+            if step is not None:
+                self._last_phase = "decode"
+                return step
+        if self.running and self.pool.num_free == 0:
+            # prefills hold pages but none can grow: free the newest and retry (it is recomputed later)
+            if len(self.running) > 1:
+                self._preempt(self._newest_running(exclude=None))
+                return self.schedule()
+        return None
+
+    def _schedule_prefill(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        # 1) continue chunked prefills already running (FCFS by arrival)
+        for seq in sorted((s for s in self.running if s.needs_prefill), key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            n = min(budget, seq.num_tokens - seq.num_computed_tokens)
+            n = self._reserve(seq, n)
+            if n > 0:
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        # 2) admit waiting sequences while budget, seats and pages (above the watermark) allow
+        watermark = int(self.config.watermark * self.pool.num_pages)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._match_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(budget, remaining)
+            need = self._pages_needed(seq, n)
+            if self.pool.num_free - need < watermark and self.running:
+                break
+            n = self._reserve(seq, n)
+            if n <= 0:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        if not seqs:
+            return None
+        return ScheduledStep("prefill", seqs, counts)
+
+    def _schedule_decode(self) -> ScheduledStep | None:
+        preempted: list[Sequence] = []
+        ready = sorted((s for s in self.running if not s.needs_prefill), key=lambda s: s.arrival)
+        scheduled: list[Sequence] = []
+        for seq in ready:
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted below while making room for an older one
+            while self._reserve(seq, 1) < 1:
+                victim = self._newest_running(exclude=None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status == SeqStatus.RUNNING:
+                scheduled.append(seq)
+        if not scheduled:
+            return None
+        return ScheduledStep("decode", scheduled, [1] * len(scheduled), preempted)
+
+    # ------------------------------------------------------------------ pages
+
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        ps = self.pool.page_size
+        total = -(-(seq.num_computed_tokens + n) // ps)
+        return max(0, total - len(seq.block_table))
+
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        """Map pages for ``n`` more tokens; returns how many tokens fit (may be fewer)."""
+        ps = self.pool.page_size
+        while n > 0 and self._pages_needed(seq, n) > 0:
+            try:
+                seq.block_table.append(self.pool.allocate())
+            except OutOfPages:
+                n = len(seq.block_table) * ps - seq.num_computed_tokens
+                break
+        return max(0, n)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Map cached full pages of the prompt (never the page holding the last token)."""
+        seq.pool_name = self.pool.name
+        if not self.config.enable_prefix_caching:
+            return
+        ps = self.pool.page_size
+        usable = (seq.num_tokens - 1) // ps
+        hits: list[PageRef] = []
+        for h in page_hashes(seq.all_token_ids[: usable * ps], ps, seq.cache_salt):
+            ref = self.pool.lookup(h)
+            if ref is None:
+                break
+            hits.append(ref)
+            seq.page_hashes.append(h)
+        if hits:
+            seq.block_table = hits
+            seq.num_computed_tokens = len(hits) * ps
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_hit_tokens += seq.num_computed_tokens
+
+    def seal_full_pages(self, seq: Sequence) -> None:
+        """Index the sequence's full pages in the prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        ps = self.pool.page_size
+        done = len(seq.page_hashes)
+        full = seq.num_computed_tokens // ps
+        if full <= done:
+            return
+        parent = seq.page_hashes[-1] if done else None
+        tokens = seq.all_token_ids[done * ps : full * ps]
+        for i, h in enumerate(page_hashes(tokens, ps, seq.cache_salt, parent), start=done):
+            seq.page_hashes.append(h)
+            self.pool.seal(seq.block_table[i].page, h)
+
+    def _newest_running(self, exclude: Sequence | None) -> Sequence:
+        cands = [s for s in self.running if s is not exclude]
+        return max(cands, key=lambda s: s.arrival)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's pages and requeue it first; it will be recomputed."""
+        log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, seq.num_tokens)
+        self.running.remove(seq)
+        self.free_pages(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
