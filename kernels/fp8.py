@@ -1,0 +1,147 @@
+"""FP8 (OCP e4m3fn, max 448) quantization and the FP8 weight linear layer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import resolve
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest scale we ever use: keeps all-zero rows/heads finite (0 / tiny = 0).
+SCALE_FLOOR = 1e-12
+
+log = logging.getLogger("pagoda.kernels")
+_scaled_mm_failures: set[tuple] = set()
+
+
+def quantize_fp8(x: Tensor, scale: Tensor | float) -> Tensor:
+    """``x / scale`` clamped to +-448 and cast to float8_e4m3fn (``scale`` broadcastable)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: Tensor, scale: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q * scale`` in ``dtype`` (the product is formed in float32)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.float() * scale).to(dtype)
+
+
+def amax_scale(amax: Tensor, headroom: float = 1.0) -> Tensor:
+    """The e4m3 scale that maps ``amax * headroom`` to 448 (float32, floored)."""
+    return (amax.float() * headroom / FP8_MAX).clamp_(min=SCALE_FLOOR)
+
+
+def quantize_fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-output-channel FP8: ``w [N, K]`` -> (``w_fp8 [N, K]``, ``scale [N]`` float32)."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    scale = amax_scale(w.detach().abs().amax(dim=1))
+    return quantize_fp8(w.detach(), scale[:, None]), scale
+
+
+@dataclass
+class Fp8Weight:
+    """An FP8 weight with per-output-channel scales (what ``pagoda quantize`` stores)."""
+
+    weight: Tensor  # [N, K] float8_e4m3fn
+    scale: Tensor  # [N] float32
+
+    @classmethod
+    def quantize(cls, w: Tensor) -> Fp8Weight:
+        return cls(*quantize_fp8_weight(w))
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: 1 per weight plus 4 per output channel."""
+        return self.weight.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return dequantize_fp8(self.weight, self.scale[:, None], dtype)
+
+    def state(self) -> dict[str, Tensor]:
+        """Tensors for a safetensors file (``weight`` stays float8_e4m3fn)."""
+        return {"weight": self.weight, "scale": self.scale}
+
+    @classmethod
+    def from_state(cls, d: dict[str, Tensor], meta: dict | None = None) -> Fp8Weight:
+        w, s = d["weight"], d["scale"]
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"FP8 weight must be {FP8_DTYPE}, got {w.dtype}")
+        if s.shape != (w.shape[0],):
+            raise ValueError(f"FP8 scale shape {tuple(s.shape)} does not match weight rows {w.shape[0]}")
+        return cls(w, s.float())
+
+    def apply(self, x: Tensor, bias: Tensor | None = None, backend: str | None = None) -> Tensor:
+        return fp8_linear(x, self.weight, self.scale, bias, backend)
+
+
+def fp8_linear(
+    x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None, backend: str | None = None
+) -> Tensor:
+    """``x [..., K] @ (w_fp8 * w_scale[:, None]).T + bias`` -> ``[..., N]`` in ``x.dtype``."""
+    if w_fp8.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_linear needs a {FP8_DTYPE} weight, got {w_fp8.dtype}")
+    n, k = w_fp8.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    be = resolve("fp8_linear", x.device, backend)
+    if be == "triton":
+        from .triton_fp8 import fp8_gemm
+
+        out = fp8_gemm(x2, w_fp8, w_scale, bias)
+    elif be == "cpu":
+        out = _fp8_linear_scaled_mm(x2, w_fp8, w_scale, bias)
+    else:
+        out = _fp8_linear_reference(x2, w_fp8, w_scale, bias)
+    return out.reshape(*lead, n)
+
+
+def _fp8_linear_reference(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    w = dequantize_fp8(w_fp8, w_scale[:, None], torch.float32)
+    out = F.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token FP8 activations: ``x [M, K]`` -> (``xq [M, K]``, ``scale [M, 1]``)."""
+    scale = amax_scale(x.abs().amax(dim=1, keepdim=True))
+    return quantize_fp8(x, scale), scale.contiguous()
+
+
+def _fp8_linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """``torch._scaled_mm`` with per-token activation scales (row-wise scaling)."""
+    out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    key = (x.device.type, x.dtype, w_fp8.shape)
+    if key not in _scaled_mm_failures:
+        try:
+            xq, xs = quantize_activations(x)
+            out = torch._scaled_mm(
+                xq,
+                w_fp8.t(),
+                scale_a=xs,
+                scale_b=w_scale.float().reshape(1, -1).contiguous(),
+                out_dtype=out_dtype,
+            )
+            if bias is not None:
+                out = out + bias.to(out_dtype)
+            return out.to(x.dtype)
+        except (RuntimeError, NotImplementedError) as exc:
+            _scaled_mm_failures.add(key)
+            log.warning("torch._scaled_mm rejected %s (%s); using the reference fp8 path", key, exc)
+    return _fp8_linear_reference(x, w_fp8, w_scale, bias)

@@ -1,0 +1,253 @@
+"""Group-wise INT4 weights: quantization, packing, and the INT4 linear layer.
+
+Canonical layout (what ``pagoda quantize`` stores and the reference/Triton paths read):
+  * ``packed``  uint8 [N, K//2]: weight k = 2j in the low nibble of byte j, k = 2j+1 in the high one;
+  * ``scales``  float32 [N, K//group];
+  * ``zeros``   uint8 [N, K//group] integer zero points 0..15 (asymmetric), or None (symmetric: 8).
+Dequantized weight: ``(q - zero) * scale``.
+
+The CPU backend uses torch's int4pack layout (``_convert_weight_to_int4pack_for_cpu``), whose
+dequant is ``(q - 8) * s + z'``; ours maps onto it exactly with ``s = scale`` and
+``z' = (8 - zero) * scale``. N is padded to a multiple of 16 (a requirement of that op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import resolve
+
+SUPPORTED_GROUPS = (32, 64, 128, 256)
+_CPU_N_ALIGN = 16
+_SCALE_FLOOR = 1e-12
+
+
+def pick_group_size(k: int, preferred: int = 128) -> int:
+    """``preferred`` if it divides ``k``, else the largest of 128/64/32 below it that does."""
+    if preferred not in SUPPORTED_GROUPS:
+        raise ValueError(f"group size must be one of {SUPPORTED_GROUPS}, got {preferred}")
+    for g in (preferred, 128, 64, 32):
+        if g <= preferred and k % g == 0:
+            return g
+    raise ValueError(f"no INT4 group size in {SUPPORTED_GROUPS} (<= {preferred}) divides K={k}")
+
+
+def pack_nibbles(q: Tensor) -> Tensor:
+    """uint8 values 0..15 [N, K] (K even) -> uint8 [N, K//2], even k in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_nibbles`: uint8 [N, K//2] -> uint8 [N, K]."""
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+@dataclass
+class Int4Weight:
+    """A group-wise INT4 weight plus lazily built backend layouts.
+
+    ``nbytes`` counts every tensor the object holds right now: the canonical tensors (unless
+    dropped by ``prepare(..., keep_canonical=False)``) and any CPU int4pack layouts built.
+    """
+
+    out_features: int
+    in_features: int
+    group_size: int
+    symmetric: bool
+    packed: Tensor | None
+    scales: Tensor | None
+    zeros: Tensor | None
+    _cpu: dict[torch.dtype, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        total = sum(t.nbytes for t in (self.packed, self.scales, self.zeros) if t is not None)
+        for packed, sz in self._cpu.values():
+            total += packed.nbytes + sz.nbytes
+        return total
+
+    @property
+    def zero_points(self) -> Tensor:
+        """Zero points as float32 [N, K//group] (8 for symmetric weights)."""
+        self._need_canonical()
+        if self.zeros is None:
+            return torch.full_like(self.scales, 8.0)
+        return self.zeros.float()
+
+    def _need_canonical(self) -> None:
+        if self.packed is None:
+            self._restore_canonical()
+
+    def cpu_layout(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(int4pack [Npad, K//2] uint8, scales_and_zeros [K//group, Npad, 2] in ``dtype``), cached."""
+        if dtype not in self._cpu:
+            self._need_canonical()
+            n, g = self.out_features, self.num_groups
+            npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
+            q = unpack_nibbles(self.packed).to(torch.int32)
+            s = self.scales.float()
+            z = (8.0 - self.zero_points) * s
+            if npad != n:
+                q = F.pad(q, (0, 0, 0, npad - n), value=8)
+                s = F.pad(s, (0, 0, 0, npad - n))
+                z = F.pad(z, (0, 0, 0, npad - n))
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            sz = torch.stack([s.t(), z.t()], dim=-1).to(dtype).contiguous()
+            assert sz.shape == (g, npad, 2)
+            self._cpu[dtype] = (packed, sz)
+        return self._cpu[dtype]
+
+    def prepare(self, backend: str, dtype: torch.dtype = torch.float32, keep_canonical: bool = True) -> None:
+        """Build the layout ``backend`` reads; optionally free the canonical tensors (CPU only)."""
+        if backend != "cpu":
+            return
+        self.cpu_layout(dtype)
+        if not keep_canonical:
+            self.packed = self.scales = self.zeros = None
+
+    def _restore_canonical(self) -> None:
+        """Recover canonical tensors from a cached CPU layout.
+
+        Exact from a float32 layout (integer q and zero points survive unchanged); from a bf16
+        layout the scales come back rounded to bf16 (zero points are still exact).
+        """
+        if not self._cpu:
+            raise RuntimeError("canonical INT4 tensors were dropped and no CPU layout is cached")
+        packed, sz = self._cpu.get(torch.float32) or next(iter(self._cpu.values()))
+        sz = sz.float()
+        k, n = self.in_features, self.out_features
+        eye = torch.eye(k, dtype=torch.float32)
+        unit = torch.zeros_like(sz)
+        unit[..., 0] = 1.0
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, self.group_size, unit)
+        q = (q.t()[:n] + 8.0).round().to(torch.uint8)
+        s = sz[..., 0].t()[:n].contiguous()
+        zero = (8.0 - sz[..., 1].t()[:n] / s.clamp(min=_SCALE_FLOOR)).round().clamp(0, 15)
+        self.packed = pack_nibbles(q)
+        self.scales = s
+        self.zeros = None if self.symmetric else zero.to(torch.uint8)
+
+    def state(self) -> dict[str, Tensor]:
+        """Canonical tensors for a safetensors file; see :meth:`meta` for the rest."""
+        self._need_canonical()
+        d = {"packed": self.packed, "scales": self.scales}
+        if self.zeros is not None:
+            d["zeros"] = self.zeros
+        return d
+
+    def meta(self) -> dict[str, str]:
+        """String metadata (safetensors headers hold strings)."""
+        return {
+            "format": "int4",
+            "out_features": str(self.out_features),
+            "in_features": str(self.in_features),
+            "group_size": str(self.group_size),
+            "symmetric": str(int(self.symmetric)),
+        }
+
+    @classmethod
+    def from_state(cls, d: dict[str, Tensor], meta: dict) -> Int4Weight:
+        n, k, g = int(meta["out_features"]), int(meta["in_features"]), int(meta["group_size"])
+        sym = str(meta.get("symmetric", "0")).lower() in ("1", "true")
+        packed, scales, zeros = d["packed"], d["scales"], d.get("zeros")
+        if packed.shape != (n, k // 2) or packed.dtype != torch.uint8:
+            raise ValueError(f"packed must be uint8 {(n, k // 2)}, got {packed.dtype} {tuple(packed.shape)}")
+        if scales.shape != (n, k // g):
+            raise ValueError(f"scales must be {(n, k // g)}, got {tuple(scales.shape)}")
+        if (zeros is None) != sym:
+            raise ValueError("zeros must be present exactly when the weight is asymmetric")
+        return cls(n, k, g, sym, packed, scales.float(), None if zeros is None else zeros.to(torch.uint8))
+
+    def dequantize(self) -> Tensor:
+        return dequantize_int4(self)
+
+    def apply(self, x: Tensor, bias: Tensor | None = None, backend: str | None = None) -> Tensor:
+        return int4_linear(x, self, bias, backend)
+
+
+def quantize_int4(w: Tensor, group_size: int | None = None, symmetric: bool = False) -> Int4Weight:
+    """Round-to-nearest group-wise INT4 of ``w [N, K]`` (asymmetric min/max by default).
+
+    Asymmetric groups span ``[min(w, 0), max(w, 0)]`` so that 0 is exact and zero points fit 0..15.
+    Symmetric groups use ``scale = amax / 7`` and q in [-8, 7] (stored +8).
+    """
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    g = pick_group_size(k) if group_size is None else group_size
+    if k % g or g % 2:
+        raise ValueError(f"group size {g} must be even and divide K={k}")
+    wg = w.detach().float().reshape(n, k // g, g)
+    if symmetric:
+        scale = (wg.abs().amax(dim=-1) / 7.0).clamp(min=_SCALE_FLOOR)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo = wg.amin(dim=-1).clamp(max=0.0)
+        hi = wg.amax(dim=-1).clamp(min=0.0)
+        scale = ((hi - lo) / 15.0).clamp(min=_SCALE_FLOOR)
+        zero = (-lo / scale).round().clamp(0, 15)
+    q = (torch.round(wg / scale[..., None]) + zero[..., None]).clamp(0, 15).reshape(n, k)
+    return Int4Weight(
+        out_features=n,
+        in_features=k,
+        group_size=g,
+        symmetric=symmetric,
+        packed=pack_nibbles(q),
+        scales=scale.contiguous(),
+        zeros=None if symmetric else zero.to(torch.uint8).contiguous(),
+    )
+
+
+def dequantize_int4(qw: Int4Weight) -> Tensor:
+    """Reference dequantization -> float32 [N, K]."""
+    qw._need_canonical()
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    q = unpack_nibbles(qw.packed).float().reshape(n, k // g, g)
+    w = (q - qw.zero_points[..., None]) * qw.scales.float()[..., None]
+    return w.reshape(n, k)
+
+
+def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: str | None = None) -> Tensor:
+    """``x [..., K] @ dequant(qw).T + bias`` -> ``[..., N]`` in ``x.dtype``."""
+    k, n = qw.in_features, qw.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    be = resolve("int4_linear", x.device, backend)
+    if be == "cpu" and not _cpu_op_ok(x2, qw):
+        be = "reference"
+    if be == "triton":
+        from .triton_int4 import int4_gemm
+
+        qw._need_canonical()
+        out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias)
+    elif be == "cpu":
+        packed, sz = qw.cpu_layout(x2.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, qw.group_size, sz)
+        out = out[:, :n]
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+    else:
+        out = F.linear(x2.float(), dequantize_int4(qw), None if bias is None else bias.float()).to(x.dtype)
+    return out.reshape(*lead, n)
+
+
+def _cpu_op_ok(x: Tensor, qw: Int4Weight) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and qw.group_size in SUPPORTED_GROUPS
+        and qw.in_features % qw.group_size == 0
+    )

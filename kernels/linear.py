@@ -1,0 +1,117 @@
+"""One linear-layer interface over dense, FP8 and INT4 weights."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import select_backend
+from .fp8 import Fp8Weight, fp8_linear
+from .int4 import Int4Weight, int4_linear, pick_group_size, quantize_int4
+
+FORMATS = ("bf16", "fp32", "fp8", "int4")
+
+
+@runtime_checkable
+class LinearWeight(Protocol):
+    """What the model calls: ``apply(x)``, plus its resident size and format name."""
+
+    fmt: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def apply(self, x: Tensor) -> Tensor: ...
+
+
+def _bias_bytes(bias: Tensor | None) -> int:
+    return 0 if bias is None else bias.nbytes
+
+
+class DenseLinear:
+    """Dense weight in the compute dtype, applied with ``F.linear``."""
+
+    def __init__(self, w: Tensor, dtype: torch.dtype, bias: Tensor | None, fmt: str) -> None:
+        self.fmt = fmt
+        self.weight = w.detach().to(dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + _bias_bytes(self.bias)
+
+    def apply(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+
+
+class Fp8Linear:
+    """FP8 e4m3 weight with per-output-channel scales."""
+
+    fmt = "fp8"
+
+    def __init__(self, weight: Fp8Weight, bias: Tensor | None, backend: str | None) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.detach().float()
+        self.backend = backend
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + _bias_bytes(self.bias)
+
+    def apply(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight.weight, self.weight.scale, self.bias, self.backend)
+
+
+class Int4Linear:
+    """Group-wise INT4 weight."""
+
+    fmt = "int4"
+
+    def __init__(
+        self, weight: Int4Weight, dtype: torch.dtype, bias: Tensor | None, backend: str | None
+    ) -> None:
+        self.weight = weight
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.detach().float()
+        self.backend = backend
+        device = weight.packed.device
+        if (
+            select_backend(device, backend) == "cpu"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+        ):
+            # Keep only torch's CPU int4pack layout resident (the canonical tensors are
+            # recoverable from it for checkpoints).
+            weight.prepare("cpu", dtype, keep_canonical=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + _bias_bytes(self.bias)
+
+    def apply(self, x: Tensor) -> Tensor:
+        y = int4_linear(x.to(self.dtype), self.weight, self.bias, self.backend)
+        return y.to(x.dtype)
+
+
+def make_linear_weight(
+    w: Tensor,
+    fmt: str,
+    dtype: torch.dtype,
+    bias: Tensor | None = None,
+    group_size: int | None = None,
+    backend: str | None = None,
+) -> LinearWeight:
+    """Quantize/convert ``w [N, K]`` into ``fmt``; ``dtype`` is the engine's compute dtype."""
+    if fmt == "bf16":
+        return DenseLinear(w, dtype, bias, fmt)
+    if fmt == "fp32":
+        return DenseLinear(w, torch.float32, bias, fmt)
+    if fmt == "fp8":
+        return Fp8Linear(Fp8Weight.quantize(w), bias, backend)
+    if fmt == "int4":
+        g = pick_group_size(w.shape[1]) if group_size is None else group_size
+        return Int4Linear(quantize_int4(w, g), dtype, bias, backend)
+    raise ValueError(f"unknown weight format {fmt!r}; accepted formats: {', '.join(FORMATS)}")

@@ -1,0 +1,89 @@
+import pytest
+import torch
+from kernel_testing import ALL_BACKENDS, DEVICE
+from pagoda.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_linear,
+    quantize_fp8,
+    quantize_fp8_weight,
+)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_quantize_clamps_and_never_nan():
+    x = torch.tensor([0.0, 1.0, -1.0, 1e6, -1e6, 447.0, 449.0])
+    q = quantize_fp8(x, torch.tensor(1.0))
+    assert q.dtype == FP8_DTYPE
+    back = q.float()
+    assert not torch.isnan(back).any()
+    assert back[3] == FP8_MAX and back[4] == -FP8_MAX and back[6] == FP8_MAX
+    assert back[1] == 1.0 and back[0] == 0.0
+
+
+def test_roundtrip_error_within_e4m3_precision():
+    x = torch.randn(64, 32) * 5
+    scale = x.abs().amax() / FP8_MAX
+    back = dequantize_fp8(quantize_fp8(x, scale), scale)
+    # e4m3 keeps 3 mantissa bits: relative rounding error <= 2**-4 for normal values.
+    big = x.abs() > scale * 2**-6 * 8
+    assert ((back - x).abs()[big] <= x.abs()[big] * 2**-4 + 1e-7).all()
+
+
+def test_weight_quant_per_channel_scales():
+    w = torch.randn(8, 16) * torch.arange(1, 9)[:, None]
+    wq, s = quantize_fp8_weight(w)
+    assert wq.shape == (8, 16) and s.shape == (8,) and s.dtype == torch.float32
+    torch.testing.assert_close(s, w.abs().amax(1) / FP8_MAX)
+    assert (wq.float().abs().amax(1) == FP8_MAX).all()
+
+
+def test_zero_weight_row_stays_finite():
+    w = torch.zeros(2, 16)
+    w[1] = 1.0
+    wq, s = quantize_fp8_weight(w)
+    assert torch.isfinite(s).all() and (wq[0].float() == 0).all()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 24, 64), (17, 40, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_matches_reference(backend, m, n, k, dtype):
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    wq, s = quantize_fp8_weight(w)
+    ref = fp8_linear(x, wq, s, bias, backend="reference")
+    out = fp8_linear(x.to(DEVICE), wq.to(DEVICE), s.to(DEVICE), bias.to(DEVICE), backend=backend).cpu()
+    assert out.shape == (m, n) and out.dtype == dtype
+    # cpu/triton also quantize activations per token to e4m3 (about 2-3% relative error alone);
+    # the bf16 output rounding adds < 1%.
+    tol = 0.0 if backend == "reference" else 0.06
+    assert rel_err(out, ref) <= tol + (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_fp8_linear_leading_dims_and_bad_shapes():
+    w = torch.randn(8, 16)
+    wq, s = quantize_fp8_weight(w)
+    x = torch.randn(2, 3, 16)
+    assert fp8_linear(x, wq, s, backend="cpu").shape == (2, 3, 8)
+    with pytest.raises(ValueError, match="features"):
+        fp8_linear(torch.randn(2, 15), wq, s)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_linear(x, w, s)
+
+
+def test_fp8_weight_state_roundtrip_and_nbytes():
+    fw = Fp8Weight.quantize(torch.randn(12, 32))
+    assert fw.nbytes == 12 * 32 + 12 * 4
+    back = Fp8Weight.from_state(fw.state())
+    assert torch.equal(back.weight.view(torch.uint8), fw.weight.view(torch.uint8))
+    assert torch.equal(back.scale, fw.scale)
+    with pytest.raises(ValueError):
+        Fp8Weight.from_state({"weight": torch.zeros(2, 2), "scale": torch.ones(2)})

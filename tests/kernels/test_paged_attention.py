@@ -1,0 +1,210 @@
+import math
+
+import pytest
+import torch
+from kernel_testing import ALL_BACKENDS, DEVICE, KV_DTYPES, make_paged_kv
+from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.paged_attention import (
+    calibrate_kv_scales,
+    convert_pages,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv,
+)
+
+# Tolerances against the reference (both dequantize identically; only op order differs):
+# fp32 queries -> 2e-5; bf16 queries -> outputs rounded to bf16 (8 bits): 2e-2 absolute.
+TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def full_softmax_attention(q, keys, values, scale):
+    """Dense attention of one query [Hq, D] over float K/V [L, Hkv, D] (independent of the pool)."""
+    g = q.shape[0] // keys.shape[1]
+    k = keys.repeat_interleave(g, 1)
+    v = values.repeat_interleave(g, 1)
+    p = torch.einsum("hd,lhd->hl", q.float(), k).mul(scale).softmax(-1)
+    return torch.einsum("hl,lhd->hd", p, v)
+
+
+DECODE_CASES = [
+    # context lens (page size 4)        Hq, Hkv
+    ([1], 2, 2),  # batch 1, one token, MHA
+    ([4, 5, 1], 6, 2),  # page boundary, partial last page, 1 token; GQA 3
+    ([9, 3, 16, 1, 7, 12, 2], 8, 2),  # batch 7; GQA 4
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("lens,hq,hkv", DECODE_CASES)
+def test_decode_matches_reference(backend, kv, lens, hq, hkv):
+    d, ps = 16, 4
+    pk = make_paged_kv(lens, ps, hkv, d, KV_DTYPES[kv], seed=len(lens) + hq)
+    q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, scale, pk.k_scale, pk.v_scale)
+    ref = paged_decode_attention(q, *args, backend="reference")
+    out = paged_decode_attention(q, *args, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_decode_bf16_queries(backend):
+    pk = make_paged_kv([5, 8, 1], 4, 2, 16, torch.bfloat16, seed=3)
+    q = torch.randn(3, 4, 16).bfloat16().to(DEVICE)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25)
+    ref = paged_decode_attention(q, *args, backend="reference")
+    out = paged_decode_attention(q, *args, backend=backend)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOL[torch.bfloat16])
+
+
+def test_reference_decode_matches_dense_attention():
+    lens = [6, 1, 9]
+    pk = make_paged_kv(lens, 4, 2, 8, torch.float32, seed=7)
+    q = torch.randn(3, 4, 8)
+    out = paged_decode_attention(
+        q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.3, backend="reference"
+    )
+    for b in range(3):
+        want = full_softmax_attention(q[b], pk.keys[b], pk.values[b], 0.3)
+        torch.testing.assert_close(out[b], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_decode_empty_sequence_gives_zeros(backend):
+    pk = make_paged_kv([3, 1], 4, 1, 8, torch.float32)
+    lens = pk.context_lens.clone()
+    lens[1] = 0
+    q = torch.randn(2, 2, 8).to(DEVICE)
+    out = paged_decode_attention(q, pk.k_cache, pk.v_cache, pk.block_tables, lens, 0.3, backend=backend)
+    assert torch.equal(out[1].cpu(), torch.zeros(2, 8))
+    assert torch.isfinite(out).all()
+
+
+def test_fp8_cache_close_to_fp32_cache():
+    lens = [40, 17, 64]
+    p32 = make_paged_kv(lens, 16, 2, 32, torch.float32, seed=11)
+    p8 = make_paged_kv(lens, 16, 2, 32, FP8_DTYPE, seed=11)
+    q = torch.randn(3, 4, 32)
+    o32 = paged_decode_attention(q, p32.k_cache, p32.v_cache, p32.block_tables, p32.context_lens, 0.2)
+    o8 = paged_decode_attention(
+        q, p8.k_cache, p8.v_cache, p8.block_tables, p8.context_lens, 0.2, p8.k_scale, p8.v_scale
+    )
+    # e4m3 per-head static scales: K and V each carry ~2-3% relative rounding error.
+    assert ((o8 - o32).norm() / o32.norm()).item() < 0.06
+
+
+PREFILL_CASES = [
+    # (context len incl. chunk, query len) per sequence
+    [(1, 1)],  # one token, no prefix
+    [(9, 9), (5, 2), (8, 1)],  # plain prefill; cached prefix; chunk ending on a page boundary
+    [(12, 3), (4, 4), (13, 13), (7, 5), (1, 1), (16, 6), (3, 1)],  # batch 7
+]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("cases", PREFILL_CASES)
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2)])
+def test_prefill_matches_reference(backend, kv, cases, hq, hkv):
+    d, ps = 16, 4
+    lens = [c for c, _ in cases]
+    pk = make_paged_kv(lens, ps, hkv, d, KV_DTYPES[kv], seed=hq)
+    q_lens = [n for _, n in cases]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, cu.to(DEVICE), pk.context_lens, 0.25)
+    ref = paged_prefill_attention(q, *args, pk.k_scale, pk.v_scale, backend="reference")
+    out = paged_prefill_attention(q, *args, pk.k_scale, pk.v_scale, backend=backend)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+    # The last query of each sequence sees everything: it must equal decode at that position.
+    last = cu[1:] - 1
+    dec = paged_decode_attention(
+        q[last.long()], pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25, pk.k_scale, pk.v_scale
+    )
+    torch.testing.assert_close(out[last.long()].cpu(), dec.cpu(), **TOL[torch.float32])
+
+
+def test_prefill_query_positions_are_causal():
+    """Query i of a chunk equals decode over the first (prefix + i + 1) tokens."""
+    pk = make_paged_kv([11], 4, 1, 8, torch.float32, seed=5)
+    q = torch.randn(4, 3, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    out = paged_prefill_attention(q, pk.k_cache, pk.v_cache, pk.block_tables, cu, pk.context_lens, 0.4)
+    for i in range(4):
+        want = full_softmax_attention(q[i], pk.keys[0][: 7 + i + 1], pk.values[0][: 7 + i + 1], 0.4)
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+def test_write_kv_matches_reference(backend, kv):
+    dtype = KV_DTYPES[kv]
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(7, 2, 8, generator=gen)
+    v = torch.randn(7, 2, 8, generator=gen)
+    ks, vs = calibrate_kv_scales(k, v) if dtype == FP8_DTYPE else (None, None)
+    slots = torch.tensor([0, 5, 6, 7, 8, 15, -1])  # page boundary 7|8, a padding slot (-1)
+    caches = []
+    for be in ("reference", backend):
+        kc, vc = torch.zeros(4, 4, 2, 8, dtype=dtype), torch.zeros(4, 4, 2, 8, dtype=dtype)
+        write_kv(kc, vc, k, v, slots, ks, vs, backend=be)
+        caches.append((raw(kc), raw(vc)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    kc = caches[1][0].view(dtype) if dtype == FP8_DTYPE else caches[1][0]
+    got = kc.reshape(16, 2, 8)[slots[:6]].float()
+    want = k[:6].float() if dtype != FP8_DTYPE else k[:6] / ks[:, None]
+    torch.testing.assert_close(got, want.to(dtype).float())
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_convert_bf16_to_fp8_equals_direct_fp8_write(backend):
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(10, 3, 8, generator=gen).bfloat16()
+    v = (torch.randn(10, 3, 8, generator=gen) * 3).bfloat16()
+    ks, vs = calibrate_kv_scales(k.float(), v.float(), headroom=1.1)
+    slots = torch.arange(10) + 4  # pages 1..3 of 4 slots, last page partial
+    bk, bv = torch.zeros(5, 4, 3, 8, dtype=torch.bfloat16), torch.zeros(5, 4, 3, 8, dtype=torch.bfloat16)
+    write_kv(bk, bv, k, v, slots)
+    direct_k, direct_v = (torch.zeros(6, 4, 3, 8, dtype=FP8_DTYPE) for _ in range(2))
+    write_kv(direct_k, direct_v, k, v, slots + 4 * 2, ks, vs)  # the same tokens on pages 3..5
+    conv_k, conv_v = (torch.zeros(6, 4, 3, 8, dtype=FP8_DTYPE) for _ in range(2))
+    src, dst = torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5])
+    convert_pages(bk, bv, conv_k, conv_v, src, dst, ks, vs, backend=backend)
+    assert torch.equal(raw(conv_k), raw(direct_k)) and torch.equal(raw(conv_v), raw(direct_v))
+    # And back: fp8 -> bf16 dequantizes with the source scales.
+    back_k, back_v = torch.zeros_like(bk), torch.zeros_like(bv)
+    convert_pages(conv_k, conv_v, back_k, back_v, dst, src, src_k_scale=ks, src_v_scale=vs, backend=backend)
+    torch.testing.assert_close(back_k[1:4].float(), (conv_k[3:6].float() * ks[:, None]).bfloat16().float())
+    # Same-dtype copies are exact.
+    copy_k, copy_v = torch.zeros_like(bk), torch.zeros_like(bv)
+    convert_pages(bk, bv, copy_k, copy_v, src, src, backend=backend)
+    assert torch.equal(copy_k, bk) and torch.equal(copy_v, bv)
+
+
+def test_convert_rejects_mismatched_pools():
+    a = torch.zeros(2, 4, 2, 8)
+    b = torch.zeros(2, 8, 2, 8)
+    with pytest.raises(ValueError, match="page_size"):
+        convert_pages(a, a, b, b, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="scale"):
+        convert_pages(a, a, a.to(FP8_DTYPE), a.to(FP8_DTYPE), torch.tensor([0]), torch.tensor([0]))
+
+
+def test_calibrate_kv_scales():
+    k = torch.zeros(5, 3, 4)
+    k[2, 1, 3] = -896.0
+    v = torch.ones(5, 3, 4)
+    ks, vs = calibrate_kv_scales(k, v, headroom=1.5)
+    assert ks.shape == (3,) and vs.shape == (3,)
+    assert ks[1] == pytest.approx(896 * 1.5 / FP8_MAX)
+    assert ks[0] > 0 and torch.isfinite(ks).all()  # all-zero head keeps a finite floor
+    torch.testing.assert_close(vs, torch.full((3,), 1.5 / FP8_MAX))
+    with pytest.raises(ValueError):
+        calibrate_kv_scales(k, v, headroom=0)
