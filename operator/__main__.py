@@ -1,0 +1,5 @@
+"""``python -m pagoda.operator`` runs the operator."""
+
+from .main import main
+
+main()

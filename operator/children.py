@@ -1,0 +1,356 @@
+"""Manifests of the objects one ModelDeployment owns: config, pools, router, services, agent RBAC.
+
+Everything here is a pure function of the ModelDeployment and the operator settings, so the
+reconciler can compare what it builds with what the cluster holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from .config import Config
+from .spec import API_VERSION, GROUP, KIND, PLURAL, Pool, Spec
+
+PORT = 8000
+MANAGED_BY = "pagoda-operator"
+MD_LABEL = "pagoda.dev/model-deployment"
+POOL_LABEL = "pagoda.dev/pool"
+HANDOFF_ANNOTATION = "pagoda.dev/handoff"
+CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
+MODEL_MOUNT = "/mnt/models"
+CONFIG_MOUNT = "/etc/pagoda"
+
+Obj = dict[str, Any]
+
+
+def selector(name: str, component: str) -> dict[str, str]:
+    """Labels that select the pods of one component of one ModelDeployment."""
+    return {MD_LABEL: name, POOL_LABEL: component}
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    """Full label set of a child object."""
+    return {
+        "app.kubernetes.io/name": "pagoda",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector(name, component),
+    }
+
+
+def owner_reference(meta: Obj) -> Obj:
+    """The ownerReference that makes a child go away with its ModelDeployment."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(meta: Obj, name: str, component: str) -> Obj:
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"], component),
+        "ownerReferences": [owner_reference(meta)],
+    }
+
+
+def child_name(md_name: str, component: str) -> str:
+    """Name of a child: ``<md>-prefill``, ``<md>-decode``, ``<md>-router``, ``<md>-config``, ``<md>-agent``."""
+    return f"{md_name}-{component}"
+
+
+def service_url(md_name: str, namespace: str, pool: str) -> str:
+    """In-cluster URL of a pool's Service."""
+    return f"http://{child_name(md_name, pool)}.{namespace}.svc:{PORT}"
+
+
+def engine_config(spec: Spec) -> Obj:
+    """The engine configuration stored in the ConfigMap (informational; the flags are authoritative)."""
+
+    def pool(p: Pool) -> Obj:
+        return {
+            "replicas": p.replicas,
+            "weightFormat": p.weight_format,
+            "kvCacheFormat": p.kv_cache_format,
+            "tensorParallel": p.tensor_parallel,
+            "gpus": p.gpus,
+            "maxConcurrency": p.max_concurrency,
+            "kvMemoryFraction": p.kv_memory_fraction,
+        }
+
+    return {
+        "model": {"source": spec.source, "architecture": spec.architecture},
+        "prefill": pool(spec.prefill),
+        "decode": pool(spec.decode),
+        "handoff": spec.handoff,
+        "integrity": {
+            "mode": spec.integrity.mode,
+            "mismatchRateThreshold": spec.integrity.mismatch_rate_threshold,
+            "windowSeconds": spec.integrity.window_seconds,
+        },
+        "routing": {
+            "sessionAffinity": spec.routing.session_affinity,
+            "prefixCaching": spec.routing.prefix_caching,
+            "tenantHeader": spec.routing.tenant_header,
+        },
+    }
+
+
+def config_map(meta: Obj, spec: Spec) -> Obj:
+    """ConfigMap ``<md>-config`` with ``engine.yaml``."""
+    text = yaml.safe_dump(engine_config(spec), sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(meta, child_name(meta["name"], "config"), "config"),
+        "data": {"engine.yaml": text},
+    }
+
+
+def config_hash(cm: Obj) -> str:
+    """Short digest of a ConfigMap's data; a change rolls the pods."""
+    return hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_argument(source: str) -> str:
+    """The --model value inside the pod: pvc:// sources become the mounted directory."""
+    if source.startswith("pvc://"):
+        _claim, _, path = source[len("pvc://") :].partition("/")
+        return f"hf-dir://{MODEL_MOUNT}/{path}"
+    return source
+
+
+def agent_args(spec: Spec, role: str, md_name: str = "", namespace: str = "") -> list[str]:
+    """Command line of ``pagoda serve`` for one role (prefill, decode or router)."""
+    pool = spec.decode if role == "router" else spec.pool(role)
+    args = [
+        "serve",
+        "--role",
+        role,
+        "--model",
+        model_argument(spec.source),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(PORT),
+        "--prefill-weights",
+        spec.prefill.weight_format,
+        "--prefill-kv",
+        spec.prefill.kv_cache_format,
+        "--decode-weights",
+        spec.decode.weight_format,
+        "--decode-kv",
+        spec.decode.kv_cache_format,
+        "--integrity",
+        spec.integrity.mode,
+        "--kv-memory-fraction",
+        str(pool.kv_memory_fraction),
+        "--max-num-seqs",
+        str(pool.max_concurrency),
+        "--tensor-parallel",
+        str(1 if role == "router" else pool.tensor_parallel),
+        "--tenant-header",
+        spec.routing.tenant_header,
+    ]
+    if not spec.routing.prefix_caching:
+        args.append("--no-prefix-caching")
+    if not spec.routing.session_affinity:
+        args.append("--no-session-affinity")
+    if role == "router":
+        args += [
+            "--prefill-endpoints",
+            service_url(md_name, namespace, "prefill"),
+            "--decode-endpoints",
+            service_url(md_name, namespace, "decode"),
+        ]
+    return args
+
+
+def agent_env(meta: Obj, role: str, cfg: Config) -> list[Obj]:
+    """Environment of an agent container (the reporter reads these)."""
+
+    def field(path: str) -> Obj:
+        return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
+
+    return [
+        {"name": "PAGODA_MD_NAME", "value": meta["name"]},
+        {"name": "PAGODA_MD_NAMESPACE", "value": meta["namespace"]},
+        {"name": "PAGODA_POOL", "value": role},
+        {"name": "PAGODA_POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "PAGODA_NODE_NAME", "valueFrom": field("spec.nodeName")},
+        {"name": "PAGODA_REPORT_INTERVAL_S", "value": str(cfg.report_interval_s)},
+    ]
+
+
+def _fp8_affinity(user: Obj, cfg: Config) -> Obj:
+    """User affinity with an extra required node term for FP8-capable GPU products.
+
+    Required node selector terms are ORed, the expressions inside one term ANDed, so the FP8
+    expression is added to every user term (or forms the only term).
+    """
+    affinity = copy.deepcopy(user)
+    expr = {"key": cfg.fp8_node_label, "operator": "In", "values": list(cfg.fp8_products)}
+    node = affinity.setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term.setdefault("matchExpressions", []).append(expr)
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+def _resources(pool: Pool) -> Obj:
+    res = copy.deepcopy(pool.resources)
+    if pool.gpus > 0:
+        res.setdefault("limits", {})["nvidia.com/gpu"] = pool.gpus
+        res.setdefault("requests", {})["nvidia.com/gpu"] = pool.gpus
+    return res
+
+
+def _volumes(meta: Obj, spec: Spec) -> tuple[list[Obj], list[Obj]]:
+    volumes: list[Obj] = [{"name": "config", "configMap": {"name": child_name(meta["name"], "config")}}]
+    mounts: list[Obj] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+    if spec.source.startswith("pvc://"):
+        claim = spec.source[len("pvc://") :].partition("/")[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    return volumes, mounts
+
+
+def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj) -> Obj:
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+    ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    return {
+        "name": "agent",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["pagoda"],
+        "args": agent_args(spec, role, meta["name"], meta["namespace"]),
+        "env": agent_env(meta, role, cfg),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "livenessProbe": probe,
+        "readinessProbe": ready,
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 90,
+        },
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, cfg_hash: str) -> Obj:
+    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router."""
+    name = meta["name"]
+    volumes, mounts = _volumes(meta, spec)
+    pod_spec: Obj = {
+        "serviceAccountName": child_name(name, "agent"),
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "volumes": volumes,
+    }
+    if role == "router":
+        replicas = spec.router.replicas
+        pod_spec["containers"] = [
+            _container(meta, spec, role, cfg, mounts, {"requests": {"cpu": "250m", "memory": "512Mi"}})
+        ]
+    else:
+        pool = spec.pool(role)
+        replicas = pool.replicas
+        pod_spec["containers"] = [_container(meta, spec, role, cfg, mounts, _resources(pool))]
+        if pool.node_selector:
+            pod_spec["nodeSelector"] = dict(pool.node_selector)
+        tolerations = list(pool.tolerations)
+        if pool.gpus > 0:
+            tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+        if tolerations:
+            pod_spec["tolerations"] = tolerations
+        affinity = _fp8_affinity(pool.affinity, cfg) if pool.uses_fp8 and pool.gpus > 0 else pool.affinity
+        if affinity:
+            pod_spec["affinity"] = affinity
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(meta, child_name(name, role), role),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(name, role)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": labels(name, role),
+                    "annotations": {HANDOFF_ANNOTATION: spec.handoff, CONFIG_HASH_ANNOTATION: cfg_hash},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(meta: Obj, spec: Spec, role: str) -> Obj:
+    """Service ``<md>-<role>``; the router's type and port come from the spec."""
+    svc_spec: Obj = {
+        "type": "ClusterIP",
+        "selector": selector(meta["name"], role),
+        "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if role == "router":
+        svc_spec["type"] = spec.router.service_type
+        svc_spec["ports"][0]["port"] = spec.router.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(meta, child_name(meta["name"], role), role),
+        "spec": svc_spec,
+    }
+
+
+def agent_rbac(meta: Obj) -> list[Obj]:
+    """ServiceAccount, Role and RoleBinding letting the agents get and patch this object's status only."""
+    name = child_name(meta["name"], "agent")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(meta, name, "agent")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(meta, name, "agent"),
+            "rules": [
+                {
+                    "apiGroups": [GROUP],
+                    "resources": [f"{PLURAL}/status"],
+                    "resourceNames": [meta["name"]],
+                    "verbs": ["get", "patch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(meta, name, "agent"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": meta["namespace"]}],
+        },
+    ]
+
+
+def build(meta: Obj, spec: Spec, cfg: Config) -> dict[str, Obj]:
+    """All children keyed by ``Kind/name``, in the order they should be applied."""
+    cm = config_map(meta, spec)
+    digest = config_hash(cm)
+    objs = [*agent_rbac(meta), cm]
+    for role in ("decode", "prefill", "router"):
+        objs.append(deployment(meta, spec, role, cfg, digest))
+        objs.append(service(meta, spec, role))
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

@@ -1,0 +1,85 @@
+"""Which per-phase format combinations make sense, and why the others do not.
+
+The schema (enums and CEL rules) rejects most bad specs at admission; the operator checks
+the same rules again (clusters without CEL, objects stored before a rule existed) plus the
+ones that need a reason longer than a schema message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import INTEGRITY_MODES, KV_FORMATS, POOLS, WEIGHT_FORMATS, Spec
+
+# A prefill KV format may hand off to these decode KV formats (conversion happens on arrival).
+HANDOFFS = {("bf16", "bf16"), ("bf16", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a spec cannot be served: a condition reason and a human message."""
+
+    reason: str
+    message: str
+
+
+def check(spec: Spec) -> list[Problem]:
+    """Every reason this spec cannot be rolled out; empty when it is fine."""
+    problems: list[Problem] = []
+    if not spec.source:
+        problems.append(Problem("InvalidModel", "spec.model.source is empty"))
+    for name in POOLS:
+        pool = spec.pool(name)
+        if pool.weight_format not in WEIGHT_FORMATS:
+            problems.append(
+                Problem(
+                    "UnknownFormat",
+                    f"{name}.weightFormat {pool.weight_format!r} is not one of {WEIGHT_FORMATS}",
+                )
+            )
+        if pool.kv_cache_format not in KV_FORMATS:
+            problems.append(
+                Problem(
+                    "UnknownFormat",
+                    f"{name}.kvCacheFormat {pool.kv_cache_format!r} is not one of {KV_FORMATS}",
+                )
+            )
+        if pool.replicas < 0:
+            problems.append(Problem("InvalidReplicas", f"{name}.replicas must be >= 0"))
+        if pool.gpus > 0 and pool.tensor_parallel > pool.gpus:
+            problems.append(
+                Problem(
+                    "InvalidParallelism",
+                    f"{name}.tensorParallel {pool.tensor_parallel} exceeds gpus {pool.gpus}: "
+                    "each tensor-parallel rank needs its own GPU",
+                )
+            )
+    if spec.prefill.weight_format == "int4":
+        problems.append(
+            Problem(
+                "UnsupportedFormat",
+                "prefill.weightFormat int4 is not served: prefill is compute-bound and INT4 dequantisation "
+                "slows it down (INT4 pays off in decode only); use fp8 or bf16 for prefill",
+            )
+        )
+    handoff = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
+    if all(f in KV_FORMATS for f in handoff) and handoff not in HANDOFFS:
+        problems.append(
+            Problem(
+                "IncompatibleHandoff",
+                f"prefill KV {handoff[0]} cannot hand off to a {handoff[1]} decode cache: the decode pool "
+                "would store upcast FP8 values at twice the memory; use bf16->bf16, bf16->fp8_e4m3 "
+                "or fp8_e4m3->fp8_e4m3",
+            )
+        )
+    if (spec.prefill.replicas == 0) != (spec.decode.replicas == 0):
+        problems.append(
+            Problem(
+                "InvalidReplicas",
+                "a disaggregated deployment needs both pools: set prefill and decode replicas >= 1, "
+                "or both to 0 to pause",
+            )
+        )
+    if spec.integrity.mode not in INTEGRITY_MODES:
+        problems.append(Problem("InvalidIntegrity", f"integrity.mode {spec.integrity.mode!r} is unknown"))
+    return problems

@@ -1,0 +1,113 @@
+"""kopf handlers: every trigger (create, update, resume, timer, child change) runs the same pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from . import children
+from .config import Config
+from .kube import Kube
+from .reconcile import reconcile
+from .spec import GROUP, PLURAL, VERSION
+
+MD = (GROUP, VERSION, PLURAL)
+CHILD_LABELS = {"app.kubernetes.io/managed-by": children.MANAGED_BY, children.MD_LABEL: kopf.PRESENT}
+
+
+@dataclass
+class Memo:
+    """Operator-wide state shared by the handlers (kopf passes it as ``memo``)."""
+
+    cfg: Config
+    kube: Kube | None = None
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+def _emitter(body: Any, logger: logging.Logger | logging.LoggerAdapter) -> Any:
+    def emit(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message)
+        logger.info("%s: %s", reason, message)
+
+    return emit
+
+
+async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
+    if memo.kube is None:
+        raise kopf.TemporaryError("not logged in yet", delay=1)
+    meta = body["metadata"]
+    async with memo.lock(meta["namespace"], meta["name"]):
+        # Re-read under the lock: the body kopf hands over may predate the previous pass's writes.
+        fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
+        if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+            return
+        await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger))
+
+
+def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegistry:
+    """Add the operator's handlers to a registry, with the settings' timer interval."""
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.scanning.disabled = True
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.persistence.finalizer = f"{GROUP}/operator"
+        settings.watching.server_timeout = 300
+        settings.posting.level = logging.INFO
+
+    @kopf.on.login(registry=registry)
+    def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None:
+            memo.kube = Kube(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: Memo, **_: Any) -> None:
+        if memo.kube is not None:
+            await memo.kube.close()
+
+    @kopf.on.resume(*MD, registry=registry)
+    @kopf.on.create(*MD, registry=registry)
+    @kopf.on.update(*MD, registry=registry)
+    async def converge(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
+        await _pass(memo, dict(body), logger)
+
+    @kopf.timer(*MD, registry=registry, interval=cfg.resync_s, initial_delay=cfg.resync_s)
+    async def resync(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
+        await _pass(memo, dict(body), logger)
+
+    @kopf.on.event(*MD, registry=registry)
+    def deleted(body: kopf.Body, type: str | None, memo: Memo, logger: Any, **_: Any) -> None:
+        """No finalizer is needed: children carry ownerReferences and the garbage collector removes them."""
+        if type == "DELETED":
+            memo.locks.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
+            logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
+
+    for group, version, plural in (
+        ("apps", "v1", "deployments"),
+        ("", "v1", "services"),
+        ("", "v1", "configmaps"),
+    ):
+
+        @kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)
+        async def child_changed(body: kopf.Body, type: str | None, memo: Memo, logger: Any, **_: Any) -> None:
+            """A child changed or went away: repair it now rather than at the next timer tick."""
+            if type not in ("MODIFIED", "DELETED") or memo.kube is None:
+                return
+            owner = body["metadata"]["labels"][children.MD_LABEL]
+            md = {"metadata": {"namespace": body["metadata"]["namespace"], "name": owner}}
+            try:
+                await _pass(memo, md, logger)
+            except Exception as err:  # the timer retries; a child event must not crash the watcher
+                logger.warning("repair of %s after a child change failed: %s", owner, err)
+
+    return registry

@@ -1,0 +1,107 @@
+"""A small async Kubernetes API client over aiohttp, using the credentials kopf logged in with."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import kopf
+
+Obj = dict[str, Any]
+
+# Kind -> (API path prefix, plural) for the kinds the operator touches.
+KINDS: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Pod": ("/api/v1", "pods"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "ModelDeployment": ("/apis/pagoda.dev/v1alpha1", "modeldeployments"),
+}
+
+
+class ApiError(Exception):
+    """A non-2xx answer of the API server."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    """The URL path of a namespaced object or collection."""
+    prefix, plural = KINDS[kind]
+    url = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+    if name is not None:
+        url += f"/{quote(name)}"
+    if subresource:
+        url += f"/{subresource}"
+    return url
+
+
+class Kube:
+    """The operations the reconciler needs: get, list, create, merge-patch."""
+
+    def __init__(self, info: kopf.ConnectionInfo) -> None:
+        self.server = info.server.rstrip("/")
+        self._info = info
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            info = self._info
+            auth = None
+            if info.username and info.password:
+                auth = aiohttp.BasicAuth(info.username, info.password)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
+                headers=info.as_http_headers(),
+                auth=auth,
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _call(
+        self, method: str, url: str, body: Any = None, content_type: str | None = None
+    ) -> Obj | None:
+        headers = {"Content-Type": content_type or "application/json"} if body is not None else {}
+        data = json.dumps(body) if body is not None else None
+        async with self._client().request(method, self.server + url, data=data, headers=headers) as resp:
+            text = await resp.text()
+            if resp.status == 404 and method == "GET":
+                return None
+            if resp.status >= 400:
+                raise ApiError(resp.status, text)
+            return json.loads(text) if text else {}
+
+    async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """The object, or None when it does not exist."""
+        return await self._call("GET", path(kind, namespace, name))
+
+    async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Obj]:
+        """Objects of a kind in a namespace carrying all the given labels."""
+        selector = ",".join(f"{k}={v}" for k, v in labels.items())
+        url = path(kind, namespace) + "?labelSelector=" + quote(selector)
+        result = await self._call("GET", url) or {}
+        items = result.get("items") or []
+        # The selector is also applied here: some API emulators ignore labelSelector.
+        return [o for o in items if labels.items() <= (o.get("metadata", {}).get("labels") or {}).items()]
+
+    async def create(self, obj: Obj) -> Obj:
+        meta = obj["metadata"]
+        return await self._call("POST", path(obj["kind"], meta["namespace"]), obj) or {}
+
+    async def patch(
+        self, kind: str, namespace: str, name: str, patch: Obj, subresource: str | None = None
+    ) -> Obj:
+        """JSON merge patch (RFC 7386): maps merge, lists are replaced, null deletes."""
+        url = path(kind, namespace, name, subresource)
+        return await self._call("PATCH", url, patch, "application/merge-patch+json") or {}

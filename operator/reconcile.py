@@ -1,0 +1,280 @@
+"""One level-based reconciliation pass of a ModelDeployment: children, rollout order, status.
+
+The pass reads the ModelDeployment and its children, converges the children, and returns the
+status merge patch. Running it again with nothing changed makes no API writes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import children, formats, rollout
+from .apply import ensure, removals
+from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
+from .config import Config
+from .kube import Kube
+from .spec import POOLS, Spec, parse
+from .status import classify, pool_figures, window
+
+Obj = dict[str, Any]
+Emit = Callable[[str, str, str], None]  # (type, reason, message)
+
+log = logging.getLogger("pagoda.operator")
+
+# Status keys the operator owns; everything else (agents' keys) it only touches per key.
+OWNED = (
+    "observedGeneration",
+    "conditions",
+    "prefill",
+    "decode",
+    "router",
+    "mismatchRate",
+    "integrityWindow",
+    "rollout",
+)
+
+
+@dataclass
+class Outcome:
+    """What a pass did: child actions, the rollout stage and the status patch (None: no change)."""
+
+    actions: dict[str, str] = field(default_factory=dict)
+    stage: str | None = None
+    status_patch: Obj | None = None
+    problems: list[formats.Problem] = field(default_factory=list)
+
+
+def _replicas(dep: Obj | None, key: str) -> int:
+    return int(((dep or {}).get("status") or {}).get(key, 0) or 0)
+
+
+async def _converge(kube: Kube, meta: Obj, spec: Spec, cfg: Config, out: Outcome) -> dict[str, Obj | None]:
+    ns = meta["namespace"]
+    desired = children.build(meta, spec, cfg)
+    live = {
+        role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
+        for role in ("prefill", "decode", "router")
+    }
+    plan = rollout.plan(spec.handoff, live["prefill"], live["decode"])
+    out.stage = plan.stage
+    actions = {"prefill": plan.prefill, "decode": plan.decode}
+    for key, obj in desired.items():
+        role = obj["metadata"]["labels"][children.POOL_LABEL]
+        action = actions.get(role, rollout.APPLY) if obj["kind"] == "Deployment" else rollout.APPLY
+        current = (
+            live[role]
+            if obj["kind"] == "Deployment"
+            else await kube.get(obj["kind"], ns, obj["metadata"]["name"])
+        )
+        if action == rollout.HOLD:
+            continue
+        if action == rollout.DRAIN:
+            if current is None:
+                obj = {**obj, "spec": {**obj["spec"], "replicas": 0}}
+            elif (current.get("spec") or {}).get("replicas") != 0:
+                await kube.patch("Deployment", ns, obj["metadata"]["name"], {"spec": {"replicas": 0}})
+                out.actions[key] = "drained"
+                continue
+            else:
+                continue
+        result = await ensure(kube, obj, current)
+        if result != "unchanged":
+            out.actions[key] = result
+    return {
+        role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
+        for role in ("prefill", "decode", "router")
+    }
+
+
+def _conditions(
+    spec: Spec,
+    out: Outcome,
+    deps: dict[str, Obj | None],
+    pools: dict[str, Obj],
+    rates: dict[str, float],
+    stale: list[str],
+    cfg: Config,
+) -> list[Condition]:
+    if out.problems:
+        why = "; ".join(p.message for p in out.problems)
+        reason = out.problems[0].reason
+        return [
+            Condition(READY, False, reason, f"spec cannot be served: {why}"),
+            Condition(PROGRESSING, False, "InvalidSpec", "nothing is rolled out until the spec is fixed"),
+            Condition(DEGRADED, True, reason, why),
+            _integrity(spec, rates),
+        ]
+    desired = {
+        "prefill": spec.prefill.replicas,
+        "decode": spec.decode.replicas,
+        "router": spec.router.replicas,
+    }
+    short = [
+        f"{role} {_replicas(deps[role], 'readyReplicas')}/{want}"
+        for role, want in desired.items()
+        if _replicas(deps[role], "readyReplicas") < want
+    ]
+    rolling = [
+        role
+        for role in desired
+        if deps[role] is None
+        or not rollout.only_current_pods(deps[role])
+        or _replicas(deps[role], "updatedReplicas") < desired[role]
+    ]
+    if out.stage:
+        progressing = Condition(PROGRESSING, True, out.stage, _stage_message(spec, out.stage))
+    elif rolling:
+        progressing = Condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling))
+    else:
+        progressing = Condition(PROGRESSING, False, "RolloutComplete", "all pools run the current spec")
+    if spec.prefill.replicas == 0 and spec.decode.replicas == 0:
+        ready = Condition(READY, False, "Paused", "both pools are scaled to zero")
+    elif short or out.stage:
+        ready = Condition(
+            READY, False, "PoolsNotReady", "waiting for replicas: " + (", ".join(short) or out.stage or "")
+        )
+    else:
+        ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
+    if stale:
+        degraded = Condition(
+            DEGRADED,
+            True,
+            "StaleAgents",
+            f"{len(stale)} agent(s) have not reported for more than {cfg.stale_after_s:g}s: {', '.join(stale)}",
+        )
+    elif short and not progressing.status:
+        degraded = Condition(
+            DEGRADED, True, "ReplicasUnavailable", "replicas unavailable: " + ", ".join(short)
+        )
+    else:
+        degraded = Condition(DEGRADED, False, "AsExpected", "no stale agents, no unavailable replicas")
+    return [ready, progressing, degraded, _integrity(spec, rates)]
+
+
+def _stage_message(spec: Spec, stage: str) -> str:
+    return {
+        "DrainPrefill": f"KV handoff changes to {spec.handoff}: the prefill pool drains before the decode pool "
+        "rolls, so no prefill pod hands pages to a decode pod expecting another format",
+        "RollDecode": f"KV handoff changes to {spec.handoff}: the decode pool rolls while prefill is drained",
+        "RestorePrefill": f"KV handoff changes to {spec.handoff}: the decode pool rolled, prefill comes back",
+    }.get(stage, stage)
+
+
+def _integrity(spec: Spec, rates: dict[str, float]) -> Condition:
+    if spec.integrity.mode == "off":
+        return Condition(KV_INTEGRITY_DEGRADED, False, "IntegrityOff", "integrity checks are off")
+    threshold = spec.integrity.mismatch_rate_threshold
+    above = [f"{pool} {rate:.6g}" for pool, rate in rates.items() if rate > threshold]
+    if above:
+        return Condition(
+            KV_INTEGRITY_DEGRADED,
+            True,
+            "MismatchRateAboveThreshold",
+            f"KV page mismatch rate above {threshold:g} over the {spec.integrity.window_seconds}s window: "
+            + ", ".join(above),
+        )
+    return Condition(
+        KV_INTEGRITY_DEGRADED,
+        False,
+        "WithinThreshold",
+        f"KV page mismatch rate at most {threshold:g} over the {spec.integrity.window_seconds}s window",
+    )
+
+
+def _pool_status(role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: float) -> Obj:
+    pool = spec.pool(role)
+    ready = _replicas(dep, "readyReplicas")
+    return {
+        "desiredReplicas": pool.replicas,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{pool.replicas}",
+        "formats": f"{pool.weight_format}/{pool.kv_cache_format}",
+        **figures,
+        "mismatchRate": rate,
+    }
+
+
+async def reconcile(
+    kube: Kube, body: Obj, cfg: Config, now: dt.datetime | None = None, emit: Emit | None = None
+) -> Outcome:
+    """Converge the children of one ModelDeployment and write its status."""
+    now = now or dt.datetime.now(dt.UTC)
+    emit = emit or (lambda *_: None)
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    status: Obj = dict(body.get("status") or {})
+    spec = parse(body.get("spec") or {})
+    out = Outcome(problems=formats.check(spec))
+
+    if out.problems:
+        deps = {
+            role: await kube.get("Deployment", ns, children.child_name(name, role))
+            for role in ("prefill", "decode", "router")
+        }
+    else:
+        deps = await _converge(kube, meta, spec, cfg, out)
+    for key, action in out.actions.items():
+        emit("Normal", action.capitalize(), f"{key} {action}")
+        log.info("child %s %s", key, action, extra={"modeldeployment": f"{ns}/{name}", "child": key})
+
+    try:
+        pods = await kube.list("Pod", ns, {children.MD_LABEL: name})
+        pod_names: set[str] | None = {p["metadata"]["name"] for p in pods}
+    except Exception as err:  # listing failed: keep every agent rather than prune blindly
+        log.warning("cannot list pods of %s/%s: %s", ns, name, err)
+        pod_names = None
+    agents = classify(status.get("agents") or {}, pod_names, now, cfg.stale_after_s)
+    for pod in agents.pruned:
+        emit("Normal", "AgentPruned", f"agent report of deleted pod {pod} removed")
+
+    previous_rates = {p: float((status.get(p) or {}).get("mismatchRate", 0.0) or 0.0) for p in POOLS}
+    rates, snapshot = window(
+        status.get("integrityWindow"),
+        agents.fresh,
+        now,
+        spec.integrity.window_seconds,
+        previous_rates,
+        known=set(agents.fresh) | set(agents.stale),
+    )
+    pools = {p: pool_figures(p, agents.fresh, agents.stale) for p in POOLS}
+    conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg)
+    rendered = merge(status.get("conditions"), conds, now, meta.get("generation"))
+
+    owned: Obj = {
+        "conditions": rendered,
+        "prefill": _pool_status("prefill", spec, deps["prefill"], pools["prefill"], rates["prefill"]),
+        "decode": _pool_status("decode", spec, deps["decode"], pools["decode"], rates["decode"]),
+        "router": {
+            "desiredReplicas": spec.router.replicas,
+            "readyReplicas": _replicas(deps["router"], "readyReplicas"),
+            "ready": f"{_replicas(deps['router'], 'readyReplicas')}/{spec.router.replicas}",
+        },
+        "mismatchRate": max(rates.values()),
+        "integrityWindow": snapshot,
+        "rollout": {"handoff": spec.handoff, "stage": out.stage} if out.stage else {"handoff": spec.handoff},
+    }
+    if meta.get("generation") is not None:
+        owned["observedGeneration"] = meta["generation"]
+    before = {k: status[k] for k in OWNED if k in status}
+    if before != owned or agents.patch:
+        patch = removals(before, owned)
+        for key in OWNED:
+            if key in before and key not in owned:
+                patch[key] = None
+        if agents.patch:
+            patch["agents"] = agents.patch
+        out.status_patch = patch
+        await kube.patch("ModelDeployment", ns, name, {"status": patch}, subresource="status")
+    for cond in transitions(status.get("conditions"), rendered):
+        first = not status.get("conditions")
+        if first and cond["status"] == "False":
+            continue
+        bad = (cond["type"] == READY and cond["status"] == "False") or (
+            cond["type"] in (DEGRADED, KV_INTEGRITY_DEGRADED) and cond["status"] == "True"
+        )
+        emit("Warning" if bad else "Normal", f"{cond['type']}{cond['status']}", cond["message"])
+    return out

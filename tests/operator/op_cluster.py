@@ -1,0 +1,157 @@
+"""The real kopf operator against the kmock Kubernetes emulator, in a background thread.
+
+Tests talk to the emulator over HTTP (as kubectl would), so every write goes through the
+same watch streams the operator listens to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import kmock
+import kopf
+from pagoda.operator.config import Config
+from pagoda.operator.handlers import Memo, register
+
+Obj = dict[str, Any]
+
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+RESOURCES: dict[str, dict[str, Any]] = {
+    "v1/namespaces": {"kind": "Namespace", "namespaced": False},
+    "v1/pods": {"kind": "Pod", "namespaced": True},
+    "v1/services": {"kind": "Service", "namespaced": True},
+    "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
+    "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
+    "v1/events": {"kind": "Event", "namespaced": True},
+    "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status"}},
+    "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
+    "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
+    "pagoda.dev/v1alpha1/modeldeployments": {
+        "kind": "ModelDeployment",
+        "singular": "modeldeployment",
+        "namespaced": True,
+        "shortnames": {"md"},
+        "subresources": {"status"},
+    },
+}
+
+
+class Cluster:
+    """A kmock API server plus a running operator; HTTP helpers for the test thread."""
+
+    def __init__(self, cfg: Config, kubeconfig: pathlib.Path) -> None:
+        self.cfg = cfg
+        self.kubeconfig = kubeconfig
+        self.url = ""
+        self._started = threading.Event()
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kopf-kmock", daemon=True)
+
+    def start(self, timeout: float = 30) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"operator did not get ready: {self._error!r}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=20)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as err:  # surfaced by start()/assertions
+            self._error = err
+            self._ready.set()
+
+    async def _main(self) -> None:
+        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+            for key, info in RESOURCES.items():
+                emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+            self.emulator = emulator
+            self.url = str(server.url).rstrip("/")
+            self.kubeconfig.write_text(
+                json.dumps(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                        "users": [{"name": "test", "user": {"token": "test"}}],
+                        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+                        "current-context": "kmock",
+                    }
+                )
+            )
+            self._started.set()
+            await kopf.operator(
+                registry=register(kopf.OperatorRegistry(), self.cfg),
+                memo=Memo(cfg=self.cfg),
+                standalone=True,
+                clusterwide=True,
+                stop_flag=self._stop,
+                ready_flag=self._ready,
+            )
+
+    # --- a tiny synchronous API client for the test thread -------------------------------
+
+    def request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as err:
+            if err.code == 404 and method == "GET":
+                return None
+            raise
+        return json.loads(text) if text else None
+
+    def get(self, path: str) -> Obj | None:
+        return self.request("GET", path)
+
+    def create(self, path: str, obj: Obj) -> Obj:
+        return self.request("POST", path, obj)
+
+    def patch(self, path: str, patch: Obj) -> Obj:
+        return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)
+
+    def wait_for(self, check: Callable[[], Any], timeout: float = 15, what: str = "condition") -> Any:
+        """Poll until ``check()`` returns a truthy value; fail with the last value otherwise."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self._error is not None:
+                raise RuntimeError(f"operator thread died: {self._error!r}")
+            try:
+                last = check()
+            except (KeyError, TypeError, IndexError) as err:
+                last = err
+            else:
+                if last:
+                    return last
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+MD_PATH = "/apis/pagoda.dev/v1alpha1/namespaces/{ns}/modeldeployments"
+DEP_PATH = "/apis/apps/v1/namespaces/{ns}/deployments"
+SVC_PATH = "/api/v1/namespaces/{ns}/services"
+CM_PATH = "/api/v1/namespaces/{ns}/configmaps"
+POD_PATH = "/api/v1/namespaces/{ns}/pods"
+EVENT_PATH = "/api/v1/namespaces/{ns}/events"
