@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import ALL_BACKENDS, DEVICE
+from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
 from pagoda.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -87,3 +87,19 @@ def test_fp8_weight_state_roundtrip_and_nbytes():
     assert torch.equal(back.scale, fw.scale)
     with pytest.raises(ValueError):
         Fp8Weight.from_state({"weight": torch.zeros(2, 2), "scale": torch.ones(2)})
+
+
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 70, 100), (33, 24, 64)])
+def test_triton_fp8_gemm_matches_scaled_mm_path(m, n, k):
+    """Both quantize activations per token identically, so only accumulation order differs."""
+    gen = torch.Generator().manual_seed(k)
+    w, x, bias = (
+        torch.randn(n, k, generator=gen),
+        torch.randn(m, k, generator=gen),
+        torch.randn(n, generator=gen),
+    )
+    wq, s = quantize_fp8_weight(w)
+    cpu = fp8_linear(x, wq, s, bias, backend="cpu")
+    out = fp8_linear(x.to(DEVICE), wq.to(DEVICE), s.to(DEVICE), bias.to(DEVICE), backend="triton").cpu()
+    torch.testing.assert_close(out, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from kernel_testing import ALL_BACKENDS, DEVICE, KV_DTYPES, make_paged_kv
+from kernel_testing import ALL_BACKENDS, DEVICE, KV_DTYPES, make_paged_kv, needs_triton
 from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from pagoda.kernels.paged_attention import (
     calibrate_kv_scales,
@@ -208,3 +208,17 @@ def test_calibrate_kv_scales():
     torch.testing.assert_close(vs, torch.full((3,), 1.5 / FP8_MAX))
     with pytest.raises(ValueError):
         calibrate_kv_scales(k, v, headroom=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_triton_decode_context_splits(splits):
+    """Every split count merges to the same result (including splits with no pages)."""
+    from pagoda.kernels.triton_attention import paged_decode_attention_triton
+
+    pk = make_paged_kv([17, 1, 9], 4, 2, 16, FP8_DTYPE, seed=9)
+    q = torch.randn(3, 6, 16).to(DEVICE)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25, pk.k_scale, pk.v_scale)
+    ref = paged_decode_attention(q, *args, backend="reference")
+    out = paged_decode_attention_triton(q, *args, num_splits=splits)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])

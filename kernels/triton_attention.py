@@ -1,0 +1,186 @@
+"""Triton paged decode attention (split along the context, online softmax).
+
+Grid: (sequence, KV head, context split). Each program loads the query heads that share its KV
+head (GQA) as one [BLOCK_G, D] tile, walks its share of the sequence's pages one page at a time
+(K/V dequantized in-kernel: fp8 bytes are bitcast to e4m3 and scaled per head), keeps a running
+max / sum / weighted V in float32, and writes unnormalized partials. The wrapper merges the
+splits (log-sum-exp) - with one split this is exactly a single online-softmax pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fp8 import FP8_DTYPE
+from .triton_common import target_programs
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    acc_ptr,
+    ml_ptr,
+    scale,
+    pages_per_split,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q_rows = q_ptr + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
+    if KV_FP8:
+        q = q * tl.load(k_scale_ptr + h)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, tl.cdiv(length, PAGE_SIZE))
+    for i in range(first, last):
+        page = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
+        tok = i * PAGE_SIZE + offs_t
+        t_mask = (offs_t < PAGE_SIZE) & (tok < length)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_off = page * stride_kp + offs_t[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
+        v_off = page * stride_vp + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :]
+        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
+        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0)
+        if KV_FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_T]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr + h)  # V's per-head scale, applied once per split
+    a_rows = acc_ptr + b * stride_ab + h * stride_ah + split * stride_as
+    tl.store(a_rows + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
+    ml_rows = ml_ptr + b * stride_mb + h * stride_mh + split * stride_ms
+    tl.store(ml_rows + offs_g * 2, m_i)
+    tl.store(ml_rows + offs_g * 2 + 1, l_i)
+
+
+def _raw(t: Tensor) -> Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def paged_decode_attention_triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """``q [B, Hq, D]`` over the paged cache -> ``[B, Hq, D]`` in ``q.dtype``."""
+    bsz, hq, d = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    if bsz == 0:
+        return torch.empty_like(q)
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if kv_fp8 != (v_cache.dtype == FP8_DTYPE):
+        raise ValueError("k_cache and v_cache must both be fp8 or both not")
+    max_pages = block_tables.shape[1]
+    if num_splits is None:
+        num_splits = max(1, min(max_pages, target_programs(q.device) // (bsz * hkv)))
+    num_splits = max(1, min(num_splits, max_pages))
+    pages_per_split = triton.cdiv(max_pages, num_splits)
+    num_splits = triton.cdiv(max_pages, pages_per_split)
+    block_g = max(16, triton.next_power_of_2(group))
+    block_d = max(16, triton.next_power_of_2(d))
+    block_t = max(16, triton.next_power_of_2(page_size))
+    acc = torch.empty(bsz, hkv, num_splits, block_g, block_d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(bsz, hkv, num_splits, block_g, 2, dtype=torch.float32, device=q.device)
+    kc, vc = _raw(k_cache), _raw(v_cache)
+    ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
+    tables = block_tables.to(torch.int32)
+    _paged_decode_kernel[(bsz, hkv, num_splits)](
+        q,
+        kc,
+        vc,
+        tables,
+        context_lens.to(torch.int32).contiguous(),
+        (k_scale if kv_fp8 else ones).float().contiguous(),
+        (v_scale if kv_fp8 else ones).float().contiguous(),
+        acc,
+        ml,
+        float(scale),
+        pages_per_split,
+        q.stride(0),
+        q.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        tables.stride(0),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        ml.stride(0),
+        ml.stride(1),
+        ml.stride(2),
+        GROUP=group,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        BLOCK_G=block_g,
+        BLOCK_D=block_d,
+        BLOCK_T=block_t,
+        KV_FP8=kv_fp8,
+    )
+    # Merge the splits: weight each by exp(m_s - max_s m_s).
+    m, l_sum = ml[..., 0], ml[..., 1]  # [B, Hkv, S, G]
+    m_max = m.amax(dim=2, keepdim=True)
+    w = torch.exp(m - m_max).nan_to_num_(0.0)  # all -inf (empty sequence) -> 0
+    num = (acc * w[..., None]).sum(dim=2)  # [B, Hkv, G, D]
+    den = (l_sum * w).sum(dim=2)[..., None]
+    out = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+    return out[:, :, :group, :d].reshape(bsz, hq, d).to(q.dtype)
