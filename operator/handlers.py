@@ -85,12 +85,11 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     async def resync(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
         await _pass(memo, dict(body), logger)
 
-    @kopf.on.event(*MD, registry=registry)
-    def deleted(body: kopf.Body, type: str | None, memo: Memo, logger: Any, **_: Any) -> None:
-        """No finalizer is needed: children carry ownerReferences and the garbage collector removes them."""
-        if type == "DELETED":
-            memo.locks.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
-            logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
+    @kopf.on.delete(*MD, registry=registry)
+    def deleted(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
+        """Children carry ownerReferences: the garbage collector removes them; only forget the lock."""
+        memo.locks.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
+        logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
 
     for group, version, plural in (
         ("apps", "v1", "deployments"),

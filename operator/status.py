@@ -63,7 +63,7 @@ def classify(agents: Obj, pods: set[str] | None, now: dt.datetime, stale_after_s
         when = parse_time(report.get("lastReportTime"))
         stale = when is None or (now - when).total_seconds() > stale_after_s
         (out.stale if stale else out.fresh)[pod] = report
-        if bool(report.get("stale", False)) != stale:
+        if report.get("stale") is not stale:
             out.patch[pod] = {"stale": stale}
     return out
 

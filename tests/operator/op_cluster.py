@@ -44,6 +44,20 @@ RESOURCES: dict[str, dict[str, Any]] = {
 }
 
 
+class Emulator(kmock.KubernetesEmulator):
+    """kmock plus what an API server does on create: a name from generateName (kopf's Events use it)."""
+
+    _serial: int = 0
+
+    async def _handle(self, request: Any) -> Any:
+        data = request.data if request.action == kmock.action.CREATE else None
+        meta = data.get("metadata") if isinstance(data, dict) else None
+        if isinstance(meta, dict) and meta.get("generateName") and not meta.get("name"):
+            Emulator._serial += 1
+            meta["name"] = f"{meta['generateName']}{Emulator._serial:05d}"
+        return await super()._handle(request)
+
+
 class Cluster:
     """A kmock API server plus a running operator; HTTP helpers for the test thread."""
 
@@ -74,7 +88,7 @@ class Cluster:
             self._ready.set()
 
     async def _main(self) -> None:
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        async with Emulator() as emulator, kmock.Server(emulator) as server:
             for key, info in RESOURCES.items():
                 emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
             self.emulator = emulator
@@ -92,8 +106,14 @@ class Cluster:
                 )
             )
             self._started.set()
+            settings = kopf.OperatorSettings()
+            settings.queueing.exit_timeout = 0.2
+            settings.queueing.idle_timeout = 0.5
+            settings.background.instant_exit_timeout = 0.05
+            settings.persistence.consistency_timeout = 0.5  # kmock keeps resourceVersion as created
             await kopf.operator(
                 registry=register(kopf.OperatorRegistry(), self.cfg),
+                settings=settings,
                 memo=Memo(cfg=self.cfg),
                 standalone=True,
                 clusterwide=True,
