@@ -22,6 +22,9 @@ from torch import Tensor
 from .dispatch import resolve
 
 SUPPORTED_GROUPS = (32, 64, 128, 256)
+# torch's CPU int4 matmul is ~10x faster with bf16 activations than with float32 ones (measured on
+# a 2-core x86 VM), so the CPU path always feeds it bf16 and casts the result back.
+CPU_COMPUTE_DTYPE = torch.bfloat16
 _CPU_N_ALIGN = 16
 _SCALE_FLOOR = 1e-12
 
@@ -234,20 +237,26 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         qw._need_canonical()
         out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias)
     elif be == "cpu":
-        packed, sz = qw.cpu_layout(x2.dtype)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), packed, qw.group_size, sz)
-        out = out[:, :n]
+        out = cpu_int4_mm(x2, qw).float()
         if bias is not None:
-            out = out + bias.to(out.dtype)
+            out = out + bias.float()
+        out = out.to(x.dtype)
     else:
         out = F.linear(x2.float(), dequantize_int4(qw), None if bias is None else bias.float()).to(x.dtype)
     return out.reshape(*lead, n)
 
 
+def cpu_int4_mm(x: Tensor, qw: Int4Weight, dtype: torch.dtype = CPU_COMPUTE_DTYPE) -> Tensor:
+    """``x [M, K] @ dequant(qw).T`` with torch's CPU int4pack kernel, computed in ``dtype``."""
+    packed, sz = qw.cpu_layout(dtype)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dtype).contiguous(), packed, qw.group_size, sz)
+    return out[:, : qw.out_features]
+
+
 def _cpu_op_ok(x: Tensor, qw: Int4Weight) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.is_floating_point()
         and qw.group_size in SUPPORTED_GROUPS
         and qw.in_features % qw.group_size == 0
     )

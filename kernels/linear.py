@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .dispatch import select_backend
 from .fp8 import Fp8Weight, fp8_linear
-from .int4 import Int4Weight, int4_linear, pick_group_size, quantize_int4
+from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, quantize_int4
 
 FORMATS = ("bf16", "fp32", "fp8", "int4")
 
@@ -78,14 +78,10 @@ class Int4Linear:
         self.bias = None if bias is None else bias.detach().float()
         self.backend = backend
         device = weight.packed.device
-        if (
-            select_backend(device, backend) == "cpu"
-            and device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-        ):
-            # Keep only torch's CPU int4pack layout resident (the canonical tensors are
-            # recoverable from it for checkpoints).
-            weight.prepare("cpu", dtype, keep_canonical=False)
+        if select_backend(device, backend) == "cpu" and device.type == "cpu":
+            # Keep only torch's CPU int4pack layout (bf16 scales/zeros) resident; the canonical
+            # tensors are recoverable from it (scales rounded to bf16).
+            weight.prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=False)
 
     @property
     def nbytes(self) -> int:

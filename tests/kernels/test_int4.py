@@ -3,6 +3,7 @@ import torch
 from kernel_testing import DEVICE, needs_triton
 from pagoda.kernels.int4 import (
     Int4Weight,
+    cpu_int4_mm,
     dequantize_int4,
     int4_linear,
     pack_nibbles,
@@ -67,22 +68,25 @@ def _case(m, n, k, g, sym, seed=0):
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("n,k,g", [(32, 576, 64), (7, 128, 32), (48, 256, 128), (16, 512, 256)])
 @pytest.mark.parametrize("sym", [False, True])
-def test_cpu_int4_matches_reference_fp32(m, n, k, g, sym):
-    qw, x, b = _case(m, n, k, g, sym)
-    ref = int4_linear(x, qw, b, backend="reference")
-    out = int4_linear(x, qw, b, backend="cpu")
+def test_cpu_layout_maps_exactly_in_fp32(m, n, k, g, sym):
+    """Our (q - z) * s mapped onto torch's (q - 8) * s + z' layout, run in float32."""
+    qw, x, _ = _case(m, n, k, g, sym)
+    ref = int4_linear(x, qw, backend="reference")
+    out = cpu_int4_mm(x, qw, torch.float32)
     assert out.shape == (m, n) and out.dtype == torch.float32
     # Same math in fp32 ((q-8)*s + (8-z)*s vs (q-z)*s): only summation order/rounding differs.
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("m", [1, 17])
-def test_cpu_int4_bf16_activations(m):
-    qw, x, b = _case(m, 32, 576, 64, False, seed=1)
-    ref = int4_linear(x.bfloat16(), qw, b, backend="reference")
-    out = int4_linear(x.bfloat16(), qw, b, backend="cpu")
-    assert out.dtype == torch.bfloat16
-    # bf16 scales/zeros in torch's layout (8 mantissa bits) plus bf16 output rounding.
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("n,k,g", [(32, 576, 64), (7, 128, 32), (24, 1536, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_int4_linear_matches_reference(m, n, k, g, dtype):
+    qw, x, b = _case(m, n, k, g, False, seed=m)
+    ref = int4_linear(x, qw, b, backend="reference")
+    out = int4_linear(x.to(dtype), qw, b, backend="cpu")
+    assert out.shape == (m, n) and out.dtype == dtype
+    # The CPU path computes in bf16 (activations, scales and zeros rounded to 8 bits).
     assert rel_err(out, ref) < 1e-2
 
 
@@ -135,7 +139,7 @@ def test_nbytes_counts_what_is_resident():
     # Canonical tensors are recovered exactly from the CPU layout when needed.
     torch.testing.assert_close(dequantize_int4(qw), want, rtol=0, atol=0)
     torch.testing.assert_close(
-        int4_linear(x, qw, backend="cpu"), x @ want.T, rtol=1e-4, atol=1e-4 * want.abs().max().item()
+        cpu_int4_mm(x, qw, torch.float32), x @ want.T, rtol=1e-4, atol=1e-4 * want.abs().max().item()
     )
 
 

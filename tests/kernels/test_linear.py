@@ -22,8 +22,8 @@ def test_make_linear_weight_formats(fmt):
         "fp32": 32 * 128 * 4 + 32 * 4,
         "fp8": 32 * 128 + 32 * 4 + 32 * 4,
         # CPU backend: only torch's int4pack layout stays resident: packed nibbles [N, K/2] and
-        # scales_and_zeros [K/group, N, 2] float32 (canonical packed/scales/zeros are dropped).
-        "int4": 32 * 64 + 2 * 32 * 2 * 4 + 32 * 4,
+        # scales_and_zeros [K/group, N, 2] bf16 (canonical packed/scales/zeros are dropped).
+        "int4": 32 * 64 + 2 * 32 * 2 * 2 + 32 * 4,
     }[fmt]
     assert lw.nbytes == expected_bytes
 
