@@ -1,0 +1,153 @@
+"""The Helm chart rendered with Helm's own engine (helm-python-sdk); every object schema-checked."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import helm_python
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from op_schema import CHART, admit
+
+SCHEMAS = pathlib.Path(__file__).parent / "schemas"
+K8S_VERSION = "1.33"
+METRICS = (
+    "pagoda_kv_pages_used",
+    "pagoda_kv_pages_total",
+    "pagoda_kv_capacity_tokens",
+    "pagoda_generation_tokens_total",
+    "pagoda_time_to_first_token_seconds",
+    "pagoda_inter_token_latency_seconds",
+    "pagoda_integrity_checks_total",
+    "pagoda_integrity_mismatches_total",
+)
+
+
+@pytest.fixture(scope="module")
+def chart() -> helm_python.Chart:
+    return helm_python.Chart.load(str(CHART))
+
+
+def render(chart: helm_python.Chart, values: dict | None = None) -> list[dict]:
+    out = chart.render(values or {}, name="pagoda", namespace="pagoda-system")
+    docs = []
+    for path, text in out.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def validate(obj: dict) -> None:
+    if obj["apiVersion"] == "monitoring.coreos.com/v1":
+        schema = json.loads((SCHEMAS / "servicemonitor-monitoring-v1.json").read_text())
+        jsonschema.validate(obj, schema)
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+NON_DEFAULT = {
+    "operator": {
+        "image": {"repository": "registry.example/pagoda-operator", "tag": "1.2.3", "pullPolicy": "Always"},
+        "watchNamespaces": ["team-a", "team-b"],
+        "resyncSeconds": 5,
+        "nodeSelector": {"role": "infra"},
+        "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+        "podAnnotations": {"example.com/owner": "ml"},
+    },
+    "agent": {"reportIntervalSeconds": 30},
+    "fp8": {"nodeLabel": "example.com/gpu", "gpuProducts": ["H100", "H200"]},
+    "metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
+    "dashboard": {"enabled": True},
+}
+
+
+def test_default_render_is_valid(chart: helm_python.Chart) -> None:
+    docs = render(chart)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    for doc in docs:
+        validate(doc)
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "pagoda/operator:0.1.0"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PAGODA_WATCH_NAMESPACES"] == "" and env["PAGODA_STALE_AFTER_S"] == "60"
+
+
+def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
+    docs = render(chart, NON_DEFAULT)
+    by_kind = {d["kind"]: d for d in docs}
+    assert {"ServiceMonitor", "ConfigMap"} <= set(by_kind)
+    for doc in docs:
+        validate(doc)
+    container = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.example/pagoda-operator:1.2.3"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PAGODA_WATCH_NAMESPACES"] == "team-a,team-b"
+    assert env["PAGODA_FP8_GPU_PRODUCTS"] == "H100,H200" and env["PAGODA_REPORT_INTERVAL_S"] == "30"
+    assert by_kind["ServiceMonitor"]["metadata"]["labels"]["release"] == "prom"
+    dashboard = json.loads(by_kind["ConfigMap"]["data"]["pagoda.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in METRICS:
+        assert metric in exprs
+    assert {"KV cache usage", "Generated tokens/s", "KV integrity mismatch rate"} <= {
+        p["title"] for p in dashboard["panels"]
+    }
+
+
+def test_operator_config_from_chart_env_is_read_by_the_operator(chart: helm_python.Chart) -> None:
+    from pagoda.operator.config import Config
+
+    dep = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "Deployment")
+    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    cfg = Config.from_env(env)
+    assert cfg.namespaces == ("team-a", "team-b") and cfg.fp8_node_label == "example.com/gpu"
+    assert cfg.resync_s == 5 and cfg.report_interval_s == 30 and cfg.stale_after_s == 60
+
+
+def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
+    roles = {d["metadata"]["name"]: d for d in render(chart) if d["kind"] == "ClusterRole"}
+    agent = roles["pagoda-agent"]["rules"]
+    assert agent == [
+        {"apiGroups": ["pagoda.dev"], "resources": ["modeldeployments/status"], "verbs": ["get", "patch"]}
+    ]
+    operator = roles["pagoda-operator"]["rules"]
+    verbs = {
+        (g, r): set(rule["verbs"]) for rule in operator for g in rule["apiGroups"] for r in rule["resources"]
+    }
+    assert all("*" not in v and "delete" not in v for v in verbs.values())
+    assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
+    assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
+    assert not any(g == "" and r == "secrets" for g, r in verbs)
+
+
+def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
+    names = [c["name"] for c in chart.crds]
+    assert names == ["crds/modeldeployment.yaml"]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"operator": {"replicas": 2}},
+        {"operator": {"logFormat": "xml"}},
+        {"operator": {"image": {"repository": ""}}},
+        {"operator": {"watchNamespaces": ["Not_A_Namespace"]}},
+        {"agent": {"reportIntervalSeconds": 0}},
+        {"fp8": {"gpuProducts": []}},
+        {"metrics": {"serviceMonitor": {"interval": "soon"}}},
+        {"unknownKey": True},
+    ],
+)
+def test_values_schema_rejects_bad_values(chart: helm_python.Chart, values: dict) -> None:
+    with pytest.raises(helm_python.HelmError):
+        chart.render(values, name="pagoda", namespace="pagoda-system")
+
+
+def test_chart_examples_are_valid_modeldeployments() -> None:
+    for path in (CHART / "examples").glob("*.yaml"):
+        stored = admit(yaml.safe_load(path.read_text()))
+        assert stored["kind"] == "ModelDeployment"

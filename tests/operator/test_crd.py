@@ -1,0 +1,118 @@
+"""The CRD schema: defaults, rejections, CEL rules (evaluated with celpy), printer columns."""
+
+from __future__ import annotations
+
+import pathlib
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from op_schema import CHART, CRD_PATH, ROOT, admit, example, md_schema
+from pagoda.operator import spec as spec_mod
+
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+
+
+def test_crd_is_a_valid_customresourcedefinition(crd: dict) -> None:
+    kubernetes_validate.validate(crd, "1.33", strict=True)
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["md"]
+    assert version["subresources"] == {"status": {}}
+
+
+def test_chart_installs_the_same_crd() -> None:
+    assert (CHART / "crds" / "modeldeployment.yaml").read_bytes() == CRD_PATH.read_bytes()
+
+
+def test_defaults_match_the_operator_defaults() -> None:
+    stored = admit(example())
+    parsed = spec_mod.parse(stored["spec"])
+    assert parsed == spec_mod.parse({"model": {"source": "builtin://smollm2-135m"}})
+    assert (
+        stored["spec"]["prefill"]["weightFormat"] == "fp8"
+        and stored["spec"]["decode"]["weightFormat"] == "int4"
+    )
+    assert (
+        stored["spec"]["decode"]["kvCacheFormat"] == "fp8_e4m3"
+        and stored["spec"]["integrity"]["mode"] == "enforce"
+    )
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_accepted(path: pathlib.Path) -> None:
+    for doc in yaml.safe_load_all(path.read_text()):
+        admit(doc)
+
+
+def test_there_are_examples() -> None:
+    assert len(EXAMPLES) >= 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ({"decode": {"weightFormat": "int3"}}, "'int3' is not one of"),
+        ({"prefill": {"kvCacheFormat": "fp16"}}, "'fp16' is not one of"),
+        ({"decode": {"replicas": -1}}, "-1 is less than the minimum"),
+        ({"prefill": {"kvMemoryFraction": 1.5}}, "greater than the maximum"),
+        ({"integrity": {"mode": "strict"}}, "'strict' is not one of"),
+        ({"model": {"source": "s3://bucket/model"}}, "does not match"),
+        ({"model": {}}, "'source' is a required property"),
+    ],
+)
+def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
+    body = example()
+    body["spec"].update(spec)
+    with pytest.raises(jsonschema.ValidationError, match=why):
+        admit(body)
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ({"decode": {"tensorParallel": 4, "gpus": 2}}, "tensorParallel must not exceed gpus"),
+        ({"prefill": {"tensorParallel": 2, "gpus": 1}}, "tensorParallel must not exceed gpus"),
+        ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
+        ({"prefill": {"replicas": 0}}, "needs both pools"),
+    ],
+)
+def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
+    body = example()
+    body["spec"].update(spec)
+    with pytest.raises(jsonschema.ValidationError, match=why):
+        admit(body)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"decode": {"tensorParallel": 2, "gpus": 2}},
+        {"decode": {"tensorParallel": 2, "gpus": 0}},  # CPU trials ignore the GPU count
+        {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "fp8_e4m3"}},
+        {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},  # paused
+    ],
+)
+def test_cel_rules_accept_sensible_specs(spec: dict) -> None:
+    body = example()
+    body["spec"].update(spec)
+    admit(body)
+
+
+def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
+    """Guard against a rule that is never parsed: each must compile and run on the defaults."""
+    from op_schema import cel_errors
+
+    schema = md_schema(crd)
+    rules = str(schema).count("'rule':")
+    assert rules == 4
+    assert cel_errors(schema, admit(example())) == []
+
+
+def test_printer_columns_are_defined_and_documented(crd: dict) -> None:
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    names = [c["name"] for c in columns]
+    assert names == ["Ready", "Prefill", "Decode", "Decode formats", "Mismatch rate", "Tokens/s", "Age"]
+    docs = (ROOT / "docs" / "operator.md").read_text()
+    for column in columns:
+        assert f"`{column['name']}`" in docs and f"`{column['jsonPath']}`" in docs

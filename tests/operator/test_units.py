@@ -1,0 +1,158 @@
+"""Pure parts of the reconciler: format checks, rollout order, agent aggregation, window, apply."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from pagoda.operator import apply, formats, rollout
+from pagoda.operator.spec import parse
+from pagoda.operator.status import classify, pool_figures, window
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def spec(**raw: object):
+    return parse({"model": {"source": "builtin://smollm2-135m"}, **raw})
+
+
+def test_format_check_explains_each_problem() -> None:
+    assert formats.check(spec()) == []
+    reasons = {
+        p.reason
+        for p in formats.check(
+            spec(
+                prefill={"weightFormat": "int4", "kvCacheFormat": "fp8_e4m3"},
+                decode={"kvCacheFormat": "bf16"},
+            )
+        )
+    }
+    assert reasons == {"UnsupportedFormat", "IncompatibleHandoff"}
+    assert formats.check(spec(decode={"weightFormat": "nf4"}))[0].reason == "UnknownFormat"
+    assert formats.check(spec(decode={"gpus": 1, "tensorParallel": 2}))[0].reason == "InvalidParallelism"
+
+
+def dep(handoff: str, want: int = 1, **status: int) -> dict:
+    """A live Deployment: template handoff, spec.replicas and status counters."""
+    return {
+        "spec": {
+            "replicas": want,
+            "template": {"metadata": {"annotations": {"pagoda.dev/handoff": handoff}}},
+        },
+        "status": status,
+    }
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "expected"),
+    [
+        (None, None, (rollout.APPLY, rollout.APPLY, None)),
+        (dep("a->b"), dep("a->b"), (rollout.APPLY, rollout.APPLY, None)),
+        (dep("x->b", 2), dep("x->b"), (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
+        (dep("x->b", 0, replicas=1), dep("x->b"), (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
+        (dep("x->b", 0), dep("x->b"), (rollout.DRAIN, rollout.APPLY, "RollDecode")),
+        (
+            dep("x->b", 0),
+            dep("a->b", replicas=2, updatedReplicas=1),
+            (rollout.DRAIN, rollout.APPLY, "RollDecode"),
+        ),
+        (
+            dep("x->b", 0),
+            dep("a->b", replicas=1, updatedReplicas=1),
+            (rollout.APPLY, rollout.APPLY, "RestorePrefill"),
+        ),
+        (None, dep("a->b"), (rollout.APPLY, rollout.APPLY, "RestorePrefill")),
+        (dep("a->b"), None, (rollout.APPLY, rollout.APPLY, None)),
+        (dep("x->b"), None, (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
+    ],
+)
+def test_rollout_plan(prefill: dict | None, decode: dict | None, expected: tuple) -> None:
+    plan = rollout.plan("a->b", prefill, decode)
+    assert (plan.prefill, plan.decode, plan.stage) == expected
+
+
+def test_decode_with_a_stale_observed_generation_is_not_rolled() -> None:
+    decode = dep("a->b", replicas=1, updatedReplicas=1, observedGeneration=3)
+    decode["metadata"] = {"generation": 4}
+    assert rollout.plan("a->b", dep("x->b", 0), decode).stage == "RollDecode"
+
+
+def stamp(age_s: float) -> str:
+    return (NOW - dt.timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_classify_prunes_gone_pods_and_marks_stale_ones() -> None:
+    agents = {
+        "a": {"pool": "decode", "lastReportTime": stamp(5)},
+        "b": {"pool": "decode", "lastReportTime": stamp(120), "stale": False},
+        "c": {"pool": "decode", "lastReportTime": stamp(1), "stale": True},
+        "gone": {"pool": "decode", "lastReportTime": stamp(1)},
+        "bad": {"pool": "decode", "lastReportTime": "yesterday"},
+    }
+    out = classify(agents, {"a", "b", "c", "bad"}, NOW, 60)
+    assert set(out.fresh) == {"a", "c"} and set(out.stale) == {"b", "bad"}
+    assert out.pruned == ["gone"]
+    assert out.patch == {
+        "gone": None,
+        "a": {"stale": False},
+        "b": {"stale": True},
+        "c": {"stale": False},
+        "bad": {"stale": True},
+    }
+    assert classify(agents, None, NOW, 60).pruned == []  # pods unknown: prune nothing
+
+
+def test_pool_figures_sum_fresh_agents_only() -> None:
+    fresh = {
+        "d0": {
+            "pool": "decode",
+            "kvCapacityTokens": 10,
+            "tokensPerSecond": 1.5,
+            "ready": True,
+            "integrity": {"checks": 4, "mismatches": 1},
+        },
+        "d1": {"pool": "decode", "kvCapacityTokens": 20, "tokensPerSecond": 2.0, "integrity": {"checks": 6}},
+        "p0": {"pool": "prefill", "kvCapacityTokens": 99},
+    }
+    figures = pool_figures("decode", fresh, {"old": {"pool": "decode", "kvCapacityTokens": 1000}})
+    assert figures["kvCapacityTokens"] == 30 and figures["tokensPerSecond"] == 3.5
+    assert figures["integrityChecks"] == 10 and figures["integrityMismatches"] == 1
+    assert figures["readyAgents"] == 1 and figures["reportingAgents"] == 2 and figures["staleAgents"] == 1
+
+
+def agent(checks: int, mismatches: int, pool: str = "decode") -> dict:
+    return {"pool": pool, "integrity": {"checks": checks, "mismatches": mismatches}}
+
+
+def test_window_rate_uses_the_snapshot_and_survives_restarts() -> None:
+    snap = {"startTime": stamp(30), "counters": {"d0": {"checks": 1000, "mismatches": 10}}}
+    rates, kept = window(snap, {"d0": agent(2000, 30), "d1": agent(1000, 0)}, NOW, 300, {})
+    assert rates["decode"] == pytest.approx(20 / 2000)
+    assert kept == snap  # the window is still open
+    rates, _ = window(snap, {"d0": agent(500, 5)}, NOW, 300, {})  # d0 restarted: counters reset
+    assert rates["decode"] == pytest.approx(5 / 500)
+    rates, _ = window(snap, {"d0": agent(1000, 10)}, NOW, 300, {"decode": 0.25})
+    assert rates["decode"] == 0.25  # no new checks: the previous rate stands
+
+
+def test_window_rolls_over_when_old() -> None:
+    snap = {
+        "startTime": stamp(400),
+        "counters": {"d0": {"checks": 1000, "mismatches": 10}, "gone": {"checks": 1, "mismatches": 0}},
+    }
+    rates, new = window(snap, {"d0": agent(3000, 10)}, NOW, 300, {})
+    assert rates["decode"] == 0.0
+    assert new == {"startTime": stamp(0), "counters": {"d0": {"checks": 3000, "mismatches": 10}}}
+
+
+def test_quantities_compare_by_value() -> None:
+    assert apply.contains({"cpu": "1", "memory": "1Gi"}, {"cpu": "1000m", "memory": "1024Mi"})
+    assert not apply.contains({"cpu": "2"}, {"cpu": "1000m"})
+    assert apply.contains({"a": [{"x": 1, "y": 2}]}, {"a": [{"x": 1}]})
+    assert not apply.contains({"a": [{"x": 1}, {"x": 2}]}, {"a": [{"x": 1}]})
+
+
+def test_removals_null_out_fields_no_longer_set() -> None:
+    old = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "keep": 1}}
+    new = {"spec": {"nodeSelector": {"a": "1"}, "keep": 1}}
+    assert apply.removals(old, new) == {"spec": {"nodeSelector": {"a": "1", "b": None}, "keep": 1}}
