@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dispatch import resolve
-from .fp8 import FP8_DTYPE, amax_scale, quantize_fp8
+from .fp8 import FP8_BF16_BIAS, FP8_DTYPE, amax_scale, fp8_to_float_scaled_down, quantize_fp8
 
 KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE)
 
@@ -160,29 +160,54 @@ def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_
     return out.to(q.dtype)
 
 
+# Temporaries per chunk of sequences stay below this many bytes: large fresh allocations are
+# dominated by page faults on some VMs (50 MB costs ~40 ms there), smaller ones are reused.
+_CHUNK_BYTES = 1 << 20
+
+
 def _decode_vectorized(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale) -> Tensor:
     bsz, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
-    group = hq // hkv
-    max_len = int(context_lens.max()) if bsz else 0
+    lens = context_lens.to(q.device).long()
+    max_len = int(lens.max()) if bsz else 0
     if max_len == 0:
         return torch.zeros_like(q)
     n_pages = math.ceil(max_len / page_size)
-    pages = block_tables[:, :n_pages].long()
-    span = n_pages * page_size
-    # [B, span, Hkv, D] -> [B, Hkv, span, D]; fp8 scales are folded into q and the output.
-    k = k_cache[pages].reshape(bsz, span, hkv, d).transpose(1, 2).float()
-    v = v_cache[pages].reshape(bsz, span, hkv, d).transpose(1, 2).float()
-    qf = q.float().reshape(bsz, hkv, group, d) * scale
+    per_seq = n_pages * page_size * hkv * d * 4
+    chunk = max(1, _CHUNK_BYTES // per_seq)
+    out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    for b0 in range(0, bsz, chunk):
+        b1 = min(bsz, b0 + chunk)
+        out[b0:b1] = _decode_chunk(
+            q[b0:b1], k_cache, v_cache, block_tables[b0:b1, :n_pages], lens[b0:b1], scale, k_scale, v_scale
+        )
+    return out
+
+
+def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) -> Tensor:
+    """Vectorized decode for a few sequences: gather pages, masked fp32 softmax."""
+    bsz, hq, d = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    span = tables.shape[1] * page_size
+    flat = tables.reshape(-1).long()
+
+    def gather(cache: Tensor) -> Tensor:  # -> float32 [B, Hkv, span, D]
+        x = _raw(cache).index_select(0, flat)
+        x = fp8_to_float_scaled_down(x) if cache.dtype == FP8_DTYPE else x.float()
+        return x.view(bsz, span, hkv, d).transpose(1, 2)
+
+    # fp8 per-head scales (and the 2**120 of the fast decode) fold into q (K) and the output (V).
+    qf = q.float().view(bsz, hkv, group, d) * scale
     if k_cache.dtype == FP8_DTYPE:
-        qf = qf * k_scale.float().view(1, hkv, 1, 1)
-    scores = torch.matmul(qf, k.transpose(-1, -2))  # [B, Hkv, G, span]
-    valid = torch.arange(span, device=q.device)[None, :] < context_lens.to(q.device)[:, None].long()
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        qf = qf * (k_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1)
+    scores = torch.matmul(qf, gather(k_cache).transpose(-1, -2))  # [B, Hkv, G, span]
+    valid = torch.arange(span, device=q.device)[None, :] < lens[:, None]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # empty sequences -> zeros
-    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
+    out = torch.matmul(probs, gather(v_cache))  # [B, Hkv, G, D]
     if v_cache.dtype == FP8_DTYPE:
-        out = out * v_scale.float().view(1, hkv, 1, 1)
+        out = out * (v_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1)
     return out.reshape(bsz, hq, d).to(q.dtype)
 
 

@@ -2,11 +2,13 @@ import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
 from pagoda.kernels.fp8 import (
+    FP8_BF16_BIAS,
     FP8_DTYPE,
     FP8_MAX,
     Fp8Weight,
     dequantize_fp8,
     fp8_linear,
+    fp8_to_float_scaled_down,
     quantize_fp8,
     quantize_fp8_weight,
 )
@@ -103,3 +105,11 @@ def test_triton_fp8_gemm_matches_scaled_mm_path(m, n, k):
     cpu = fp8_linear(x, wq, s, bias, backend="cpu")
     out = fp8_linear(x.to(DEVICE), wq.to(DEVICE), s.to(DEVICE), bias.to(DEVICE), backend="triton").cpu()
     torch.testing.assert_close(out, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())
+
+
+def test_fast_fp8_decode_matches_torch_cast_for_every_finite_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(FP8_DTYPE).float()
+    finite = ~torch.isnan(want)
+    got = fp8_to_float_scaled_down(codes) * FP8_BF16_BIAS
+    assert torch.equal(got[finite], want[finite])
