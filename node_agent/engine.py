@@ -19,7 +19,7 @@ import torch
 from .engine_config import EngineConfig
 from .integrity import IntegrityError, make_tracker
 from .kv_pool import KVPagePool
-from .loader import load_model
+from .loader import LoadedModel, load_model
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .models.llama import LlamaForCausalLM
@@ -68,7 +68,8 @@ class _Tracked:
 class LLMEngine:
     """A single-process engine holding both phases (``pagoda serve --role both``)."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.config = config = config or EngineConfig()
         config.validate()
         self.device = config.torch_device()
@@ -76,7 +77,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         loaded = loaded or load_model(config.model)
         self.model_config: ModelConfig = loaded.config
-        self.tokenizer = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+        self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
         formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
         self.model = LlamaForCausalLM(
             loaded.config, loaded.weights, formats, self.dtype, self.device, backend=config.kernel_backend
@@ -325,6 +326,26 @@ class LLMEngine:
         )
 
     # ------------------------------------------------------------------ convenience
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], phase: str = "decode") -> torch.Tensor:
+        """Next-token logits [T, vocab] (float32) at every position of ``token_ids``, through the paged
+        KV path with the given phase's weights; the pages are released afterwards."""
+        from .scheduler import ScheduledStep
+        from .sequence import Sequence
+
+        if not token_ids or len(token_ids) > self.pool.capacity_tokens:
+            raise RequestError("score needs 1..capacity tokens")
+        seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
+        ps = self.pool.page_size
+        try:
+            seq.block_table = [self.pool.allocate() for _ in range(-(-len(token_ids) // ps))]
+            step = ScheduledStep("prefill", [seq], [len(token_ids)])
+            batch, _ = self.runner.build_batch(step, self.pool)
+            batch.logits_indices = torch.arange(len(token_ids), device=self.device)
+            return self.model.forward(batch, weights_phase=phase)
+        finally:
+            self.pool.release_all(seq.block_table)
 
     def run_until_done(self, on_output=None, max_steps: int | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns the final output per request."""

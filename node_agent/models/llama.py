@@ -126,16 +126,16 @@ class DecoderLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch,
+                phase: str) -> torch.Tensor:
         cfg = self.cfg
-        phase = b.phase
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
         cache = b.pool.layers[self.idx]
         scales = b.pool.scales[self.idx] if b.pool.scales is not None else {}
         ks, vs = scales.get("k"), scales.get("v")
         write_kv(cache["k"], cache["v"], k, v, b.slot_mapping, ks, vs, backend=b.kernel_backend)
         scale = cfg.head_dim**-0.5
-        if phase == "decode":
+        if b.phase == "decode":
             o = paged_decode_attention(
                 q,
                 cache["k"],
@@ -190,18 +190,19 @@ class LlamaForCausalLM:
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
 
     @torch.inference_mode()
-    def hidden(self, b: StepBatch) -> torch.Tensor:
+    def hidden(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
         """Run every layer (writing KV into the pool); returns the last hidden states [T, hidden]."""
         x = F.embedding(b.input_ids, self.embed)
         cos, sin = self.cos[b.positions], self.sin[b.positions]
         for layer in self.layers:
-            x = layer.forward(x, cos, sin, b)
+            x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
         return x
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch) -> torch.Tensor:
-        """Run one step; returns logits [len(logits_indices), vocab] in float32."""
-        x = self.norm(self.hidden(b)[b.logits_indices])
+    def forward(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
+        """Run one step; returns logits [len(logits_indices), vocab] in float32. ``weights_phase``
+        overrides which phase's weights run (the attention path still follows ``b.phase``)."""
+        x = self.norm(self.hidden(b, weights_phase)[b.logits_indices])
         return self.lm_head.apply(x).float()
 
     def forward_no_logits(self, b: StepBatch) -> None:
