@@ -72,6 +72,9 @@ def bench_gemms(
                 "int4_us": _time(partial(q4.apply, x), device, repeat),
                 "fp8_us": _time(partial(f8.apply, x), device, repeat),
             }
+            if dtype != torch.bfloat16:  # CPUs: also show bf16 dense, the format INT4 replaces on GPUs
+                xb, wb = x.bfloat16(), dense.bfloat16()
+                row["dense_bf16_us"] = _time(partial(torch.matmul, xb, wb.T), device, repeat)
             row["int4_speedup"] = row["dense_us"] / row["int4_us"]
             row["fp8_speedup"] = row["dense_us"] / row["fp8_us"]
             rows.append(row)
@@ -116,9 +119,23 @@ def bench_decode_attention(
     return rows
 
 
-def run_kernel_bench(device: torch.device | str, quick: bool = False) -> dict:
-    """All kernel benchmarks on ``device``; ``quick`` shrinks shapes for smoke tests."""
+def run_kernel_bench(device: torch.device | str, quick: bool = False, threads: int | None = None) -> dict:
+    """All kernel benchmarks on ``device``; ``quick`` shrinks shapes for smoke tests.
+
+    ``threads`` pins torch's CPU threads for the run (1 gives stable numbers on a shared machine:
+    with 2 threads and a busy neighbour, every op can stall for a scheduler quantum).
+    """
     device = torch.device(device)
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(device, quick)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run(device: torch.device, quick: bool) -> dict:
     if quick:
         gemms = bench_gemms(device, shapes=((64, 128),), batch_sizes=(1, 8), repeat=2)
         attn = bench_decode_attention(device, batch_sizes=(2,), context=40, repeat=2)

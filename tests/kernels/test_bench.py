@@ -5,7 +5,9 @@ from pagoda.kernels.bench_kernels import kv_bytes_per_token, kv_scale_granularit
 
 
 def test_run_kernel_bench_quick_cpu():
-    res = run_kernel_bench("cpu", quick=True)
+    before = torch.get_num_threads()
+    res = run_kernel_bench("cpu", quick=True, threads=1)
+    assert res["threads"] == 1 and torch.get_num_threads() == before
     assert res["backend"] == "cpu"
     assert [(r["m"], r["n"], r["k"]) for r in res["gemm"]] == [(1, 64, 128), (8, 64, 128)]
     for r in res["gemm"]:

@@ -14,8 +14,8 @@ def test_make_linear_weight_formats(fmt):
     y = lw.apply(x)
     want = x @ w.T + b
     assert y.shape == (3, 32) and y.dtype == torch.float32
-    # dense exact-ish; fp8 ~3% (weights + per-token activations); int4 group 64 ~10-12%.
-    bound = {"bf16": 1e-6, "fp32": 1e-6, "fp8": 0.06, "int4": 0.15}[fmt]
+    # dense exact-ish; fp8 ~2.6% (weight-only on CPU); int4 group 64 ~9-10% (bf16 compute on CPU).
+    bound = {"bf16": 1e-6, "fp32": 1e-6, "fp8": 0.035, "int4": 0.12}[fmt]
     assert ((y - want).norm() / want.norm()).item() < bound
     expected_bytes = {
         "bf16": 32 * 128 * 4 + 32 * 4,
