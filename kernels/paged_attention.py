@@ -238,7 +238,13 @@ def paged_prefill_attention(
     _check_cache(v_cache, v_scale, "v_cache")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k_cache.shape[2]}")
-    be = resolve("paged_prefill_attention", q.device, backend, supports=("cpu", "reference"))
+    be = resolve("paged_prefill_attention", q.device, backend)
+    if be == "triton":
+        from .triton_attention import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, k_scale, v_scale
+        )
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     page_size = k_cache.shape[1]
     cu = cu_q_lens.tolist()

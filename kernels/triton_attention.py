@@ -184,3 +184,152 @@ def paged_decode_attention_triton(
     den = (l_sum * w).sum(dim=2)[..., None]
     out = torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
     return out[:, :, :group, :d].reshape(bsz, hq, d).to(q.dtype)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    cu_ptr,
+    lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    b = tl.program_id(0)
+    qb = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q_start
+    length = tl.load(lens_ptr + b)
+    prefix = length - q_len
+    offs_q = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    q_mask = offs_q < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = q_ptr + (q_start + offs_q)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_rows, mask=q_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
+    if KV_FP8:
+        q = q * tl.load(k_scale_ptr + kvh)
+    pos = prefix + offs_q  # absolute position of each query
+    # Keys this block needs: up to its last query's position (none if the block is empty).
+    key_end = tl.minimum(prefix + (qb + 1) * BLOCK_Q, length)
+    n_pages = tl.where(qb * BLOCK_Q < q_len, tl.cdiv(key_end, PAGE_SIZE), 0)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for i in range(0, n_pages):
+        page = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
+        tok = i * PAGE_SIZE + offs_t
+        t_mask = (offs_t < PAGE_SIZE) & (tok < length)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k_off = page * stride_kp + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+        v_off = page * stride_vp + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+        k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
+        v = tl.load(v_ptr + v_off, mask=kv_mask, other=0)
+        if KV_FP8:
+            k = k.to(tl.float8e4nv, bitcast=True)
+            v = v.to(tl.float8e4nv, bitcast=True)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_Q, BLOCK_T]
+        # Token 0 is visible to every query, so no row is all -inf after the first page.
+        visible = t_mask[None, :] & (tok[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr + kvh)
+    o_rows = out_ptr + (q_start + offs_q)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_rows, out, mask=q_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention_triton(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    cu_q_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    max_q_len: int | None = None,
+) -> Tensor:
+    """Ragged causal attention over the paged cache: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
+
+    ``max_q_len`` (the longest query run) sizes the grid; computed from ``cu_q_lens`` if omitted.
+    """
+    t, hq, d = q.shape
+    _, page_size, hkv, _ = k_cache.shape
+    bsz = context_lens.shape[0]
+    if t == 0 or bsz == 0:
+        return torch.zeros_like(q)
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    if max_q_len is None:
+        max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
+    block_q = 16
+    out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
+    kc, vc = _raw(k_cache), _raw(v_cache)
+    ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
+    tables = block_tables.to(torch.int32)
+    grid = (bsz, triton.cdiv(max(max_q_len, 1), block_q), hq)
+    _paged_prefill_kernel[grid](
+        q,
+        kc,
+        vc,
+        tables,
+        cu_q_lens.to(torch.int32).contiguous(),
+        context_lens.to(torch.int32).contiguous(),
+        (k_scale if kv_fp8 else ones).float().contiguous(),
+        (v_scale if kv_fp8 else ones).float().contiguous(),
+        out,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        PAGE_SIZE=page_size,
+        BLOCK_Q=block_q,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=max(16, triton.next_power_of_2(page_size)),
+        KV_FP8=kv_fp8,
+    )
+    return out.to(q.dtype)

@@ -108,7 +108,7 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("cases", PREFILL_CASES)
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2)])
@@ -221,4 +221,26 @@ def test_triton_decode_context_splits(splits):
     args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25, pk.k_scale, pk.v_scale)
     ref = paged_decode_attention(q, *args, backend="reference")
     out = paged_decode_attention_triton(q, *args, num_splits=splits)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_triton)])
+def test_prefill_long_chunk_spans_query_blocks(backend):
+    """37 queries after an 8-token prefix: several 16-query blocks in the Triton kernel."""
+    cases = [(45, 37), (20, 3), (1, 1)]
+    pk = make_paged_kv([c for c, _ in cases], 4, 2, 16, FP8_DTYPE, seed=13)
+    cu = torch.tensor([0, 37, 40, 41], dtype=torch.int32)
+    q = torch.randn(41, 6, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    args = (
+        pk.k_cache,
+        pk.v_cache,
+        pk.block_tables,
+        cu.to(DEVICE),
+        pk.context_lens,
+        0.25,
+        pk.k_scale,
+        pk.v_scale,
+    )
+    ref = paged_prefill_attention(q, *args, backend="reference")
+    out = paged_prefill_attention(q, *args, backend=backend)
     torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
