@@ -56,8 +56,11 @@ def run_pagoda_decode(engine, prompts: list[str], max_tokens: int) -> dict:
     end = max(stamps) if stamps else t_all_first
     after = sum(1 for s in stamps if s > t_all_first)
     ttft = sorted(first[i] - t0 for i in ids)
-    return {"decode_tok_s": after / (end - t_all_first) if end > t_all_first else 0.0,
-            "ttft_s": ttft[len(ttft) // 2], "total_s": end - t0}
+    return {
+        "decode_tok_s": after / (end - t_all_first) if end > t_all_first else 0.0,
+        "ttft_s": ttft[len(ttft) // 2],
+        "total_s": end - t0,
+    }
 
 
 def run_hf_decode(model, tok, prompts: list[str], max_tokens: int) -> dict:
@@ -125,12 +128,32 @@ def cmd_bench_decode(a: argparse.Namespace) -> int:
         if p and h:
             ratios[str(c)] = p[0]["decode_tok_s"] / h[0]["decode_tok_s"]
     if ratios:
-        print("pagoda/transformers decode throughput: " + ", ".join(f"c{c}: {v:.2f}x" for c, v in ratios.items()))
-    result = {"bench": "decode", "model": cfg.model, "dtype": str(engine.dtype), "max_tokens": a.max_tokens,
-              "formats": cfg.formats.as_dict(), "rows": rows, "speedup_vs_transformers": ratios}
-    write_result(a.json, result, lambda path: plot_lines(
-        path, rows, key="engine", x="concurrency", y="decode_tok_s",
-        title=f"decode throughput ({cfg.model}, {engine.dtype})", ylabel="aggregate decode tokens/s"))
+        print(
+            "pagoda/transformers decode throughput: "
+            + ", ".join(f"c{c}: {v:.2f}x" for c, v in ratios.items())
+        )
+    result = {
+        "bench": "decode",
+        "model": cfg.model,
+        "dtype": str(engine.dtype),
+        "max_tokens": a.max_tokens,
+        "formats": cfg.formats.as_dict(),
+        "rows": rows,
+        "speedup_vs_transformers": ratios,
+    }
+    write_result(
+        a.json,
+        result,
+        lambda path: plot_lines(
+            path,
+            rows,
+            key="engine",
+            x="concurrency",
+            y="decode_tok_s",
+            title=f"decode throughput ({cfg.model}, {engine.dtype})",
+            ylabel="aggregate decode tokens/s",
+        ),
+    )
     return 0
 
 

@@ -8,7 +8,14 @@ import logging
 import os
 import sys
 
-from .engine_config import KV_CACHE_FORMATS, WEIGHT_FORMATS, ConfigError, EngineConfig, PhaseFormats, parse_bytes
+from .engine_config import (
+    KV_CACHE_FORMATS,
+    WEIGHT_FORMATS,
+    ConfigError,
+    EngineConfig,
+    PhaseFormats,
+    parse_bytes,
+)
 from .model_config import ModelLoadError
 from .sequence import RequestError, SamplingParams
 
@@ -17,9 +24,15 @@ DEFAULT_MODEL = "builtin://smollm2-135m"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags every command that runs the model shares."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="builtin://NAME, hf-dir:///DIR, a .gguf file or DIR")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="weights/activations/KV precision (float32 is the reference precision)")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="builtin://NAME, hf-dir:///DIR, a .gguf file or DIR"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights/activations/KV precision (float32 is the reference precision)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
     p.add_argument("--prefill-kv", choices=KV_CACHE_FORMATS, default=None)
@@ -37,16 +50,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    f = PhaseFormats()
+    explicit = any(
+        getattr(a, n, None) for n in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv")
+    )
+    # float32 is the reference precision: dense weights and KV unless formats are asked for
+    f = PhaseFormats.reference() if a.dtype == "float32" and not explicit else PhaseFormats()
     for name in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv"):
         if getattr(a, name, None):
             setattr(f, name, getattr(a, name))
     return EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, formats=f,
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        formats=f,
         kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else None,
-        kv_memory_fraction=a.kv_memory_fraction, page_size=a.page_size, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        integrity=a.integrity, enable_prefix_caching=not a.no_prefix_caching, kernel_backend=a.kernels,
+        kv_memory_fraction=a.kv_memory_fraction,
+        page_size=a.page_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        integrity=a.integrity,
+        enable_prefix_caching=not a.no_prefix_caching,
+        kernel_backend=a.kernels,
     )
 
 
@@ -54,15 +79,29 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .llm import LLM
 
     cfg = engine_config_from_args(a)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            seed=a.seed, stop=a.stop or [])
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        seed=a.seed,
+        stop=a.stop or [],
+    )
     params.validate()
     llm = LLM(config=cfg)
     outs = llm.generate(a.prompt, params, chat=a.chat)
     for prompt, o in zip(a.prompt, outs, strict=True):
         if a.json:
-            print(json.dumps({"prompt": prompt, "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": o.text,
+                        "token_ids": o.token_ids,
+                        "finish_reason": o.finish_reason,
+                    }
+                )
+            )
         else:
             print(f"--- {prompt!r} -> ({o.finish_reason})\n{o.text}")
     return 0
@@ -96,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ap = build_parser()
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if a.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return a.func(a)
     except (ConfigError, ModelLoadError, RequestError, ValueError) as exc:

@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_kv_scales
+
+from .calibration import CALIBRATION_TEXT
 from .engine_config import EngineConfig
 from .integrity import IntegrityError, make_tracker
-from .kv_pool import KVPagePool
+from .kv_pool import KVPagePool, OutOfPages, storage_dtype
+from .kv_transfer import KVPayload, allocate_pages, convert_into, extract_pages, migrate
 from .loader import LoadedModel, load_model
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
@@ -43,6 +47,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    kv_payload: KVPayload | None = None  # set on a prefill-only request's final output
 
 
 @dataclass
@@ -52,7 +57,12 @@ class EngineStats:
     decode_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    migrations: int = 0  # sequences moved from the prefill pool to the decode pool
     step_seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+
+
+class CapacityError(RuntimeError):
+    """The worker cannot take this request now (full); the caller may retry elsewhere or later."""
 
 
 class _Tracked:
@@ -68,8 +78,12 @@ class _Tracked:
 class LLMEngine:
     """A single-process engine holding both phases (``pagoda serve --role both``)."""
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         self.config = config = config or EngineConfig()
         config.validate()
         self.device = config.torch_device()
@@ -79,6 +93,8 @@ class LLMEngine:
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
         formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
+        if config.role in formats:  # a single-phase worker holds only its phase's weights
+            formats = dict.fromkeys(formats, formats[config.role])
         self.model = LlamaForCausalLM(
             loaded.config, loaded.weights, formats, self.dtype, self.device, backend=config.kernel_backend
         )
@@ -88,7 +104,8 @@ class LLMEngine:
         )
         if self.model_config.sliding_window:
             self.max_model_len = min(self.max_model_len, self.model_config.sliding_window)
-        self.pool = self._make_pool(config.formats.decode_kv)
+        self.runner = ModelRunner(self.model, config.kernel_backend)
+        self.prefill_pool, self.pool = self._make_pools()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -96,9 +113,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
             ),
+            self.prefill_pool,
             self.pool,
         )
-        self.runner = ModelRunner(self.model, config.kernel_backend)
         self.integrity = make_tracker(config.integrity)
         self.stats = EngineStats()
         self._requests: dict[str, _Tracked] = {}
@@ -131,15 +148,13 @@ class LLMEngine:
         c = self.model_config
         return {"k": (c.num_kv_heads, c.head_dim), "v": (c.num_kv_heads, c.head_dim)}
 
-    def _make_pool(self, kv_format: str, name: str = "kv") -> KVPagePool:
-        from .kv_pool import storage_dtype
-
+    def _make_pool(self, kv_format: str, budget: int, name: str) -> KVPagePool:
         dt = storage_dtype(kv_format, self.dtype)
         comps = self._kv_components()
         pages = KVPagePool.pages_for_budget(
-            self.kv_budget_bytes(), self.model_config.num_layers, self.config.page_size, comps, dt
+            budget, self.model_config.num_layers, self.config.page_size, comps, dt
         )
-        return KVPagePool(
+        pool = KVPagePool(
             self.model_config.num_layers,
             pages,
             self.config.page_size,
@@ -149,6 +164,46 @@ class LLMEngine:
             kv_format=kv_format,
             name=name,
         )
+        if pool.scales is not None:
+            self._calibrate(pool)
+        return pool
+
+    def _make_pools(self) -> tuple[KVPagePool, KVPagePool]:
+        """(prefill pool, decode pool): one shared pool when both phases use the same KV format."""
+        f = self.config.formats
+        budget = self.kv_budget_bytes()
+        only = {"prefill": f.prefill_kv, "decode": f.decode_kv}.get(self.config.role)
+        if only or f.prefill_kv == f.decode_kv:
+            pool = self._make_pool(only or f.decode_kv, budget, "kv")
+            return pool, pool
+        pre = int(budget * self.config.prefill_kv_fraction)
+        return (
+            self._make_pool(f.prefill_kv, pre, "prefill-kv"),
+            self._make_pool(f.decode_kv, budget - pre, "decode-kv"),
+        )
+
+    @torch.inference_mode()
+    def _calibrate(self, pool: KVPagePool) -> None:
+        """Static FP8 scales per layer and KV head from the K/V of a short built-in text."""
+        ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.max_model_len]
+        n = len(ids)
+        tmp = KVPagePool(
+            self.model_config.num_layers,
+            -(-n // self.config.page_size),
+            self.config.page_size,
+            self._kv_components(),
+            self.dtype,
+            self.device,
+            name="calibration",
+        )
+        self.score(ids, phase="prefill", pool=tmp)
+        for layer, scales in zip(tmp.layers, pool.scales, strict=True):
+            ks, vs = calibrate_kv_scales(
+                layer["k"].flatten(0, 1)[:n], layer["v"].flatten(0, 1)[:n], headroom=RECOMMENDED_KV_HEADROOM
+            )
+            scales["k"].copy_(ks)
+            scales["v"].copy_(vs)
+        log.info("calibrated FP8 KV scales of %s on %d tokens", pool.name, n)
 
     # ------------------------------------------------------------------ requests
 
@@ -181,6 +236,7 @@ class LLMEngine:
         request_id: str | None = None,
         chat: bool = False,
         cache_salt: str = "",
+        prefill_only: bool = False,
     ) -> str:
         """Validate and queue a request; returns its id. Raises RequestError on bad input."""
         params = params or SamplingParams()
@@ -191,7 +247,13 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens; the model length is {self.max_model_len} "
                 f"(prompt + at least one new token must fit)"
             )
+        if len(ids) + 1 > self.prefill_pool.capacity_tokens:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; the prefill KV pool holds {self.prefill_pool.capacity_tokens}"
+            )
         need = len(ids) + min(params.max_tokens, self.max_model_len - len(ids))
+        if prefill_only:
+            need = len(ids) + 1
         if need > self.pool.capacity_tokens:
             raise RequestError(
                 f"prompt + max_tokens ({need} tokens) exceeds the KV cache capacity "
@@ -201,6 +263,7 @@ class LLMEngine:
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in flight")
         seq = Sequence(rid, ids, params, cache_salt)
+        seq.prefill_only = prefill_only
         self._requests[rid] = _Tracked(seq, Detokenizer(self.tokenizer))
         self.scheduler.add(seq)
         return rid
@@ -232,11 +295,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs of every request that progressed or ended."""
+        self._migrate_prefilled()
         step = self.scheduler.schedule()
         if step is None:
             return []
+        pool = self.prefill_pool if step.phase == "prefill" else self.pool
         outputs: list[RequestOutput] = []
-        bad = self.integrity.check(step.seqs, self.pool)
+        bad = self.integrity.check(step.seqs, pool)
         if bad:
             outputs += [self._fail_integrity(seq, err) for seq, err in bad.items()]
             keep = [(s, n) for s, n in zip(step.seqs, step.num_new_tokens, strict=True) if s not in bad]
@@ -245,7 +310,7 @@ class LLMEngine:
             step.seqs = [s for s, _ in keep]
             step.num_new_tokens = [n for _, n in keep]
         t0 = time.perf_counter()
-        sampled = self.runner.run(step, self.pool)
+        sampled = self.runner.run(step, pool)
         self.stats.step_seconds[step.phase] += time.perf_counter() - t0
         self.stats.steps += 1
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
@@ -254,9 +319,14 @@ class LLMEngine:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
+        payloads: dict[Sequence, KVPayload] = {}
         for seq, tok in sampled.items():
             seq.output_token_ids.append(tok)
             self._check_stop(seq, tok)
+            if seq.prefill_only and not seq.finished:
+                payloads[seq] = self._payload_of(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "prefilled"
         for seq in step.seqs:
             self.scheduler.seal_full_pages(seq)
             if seq.finished:
@@ -264,11 +334,82 @@ class LLMEngine:
         for seq in sampled:
             tr = self._requests.get(seq.request_id)
             if tr is not None:
-                outputs.append(self._output(tr, finished=seq.finished))
+                out = self._output(tr, finished=seq.finished)
+                out.kv_payload = payloads.get(seq)
+                outputs.append(out)
                 if seq.finished:
                     self._requests.pop(seq.request_id, None)
                     self.stats.requests_finished += 1
         return outputs
+
+    def _migrate_prefilled(self) -> None:
+        """Move finished prefills from the prefill pool to the decode pool, converting the KV format."""
+        for seq in self.scheduler.awaiting_migration():
+            try:
+                refs = migrate(self.prefill_pool, self.pool, seq.block_table, self.config.kernel_backend)
+            except OutOfPages:
+                return  # decode frees pages as sequences finish; try again next step
+            seq.block_table = refs
+            seq.pool_name = self.pool.name
+            self.stats.migrations += 1
+
+    # ------------------------------------------------------------------ disaggregation hooks
+
+    def _payload_of(self, seq: Sequence) -> KVPayload:
+        layers, scales = extract_pages(self.prefill_pool, seq.block_table)
+        gen = seq.generator.get_state() if seq.generator is not None else None
+        return KVPayload(
+            seq.request_id,
+            list(seq.prompt_token_ids),
+            seq.output_token_ids[0],
+            self.prefill_pool.page_size,
+            self.prefill_pool.kv_format,
+            layers,
+            scales,
+            gen,
+            seq.num_cached_tokens,
+        )
+
+    def add_prefilled(
+        self, payload: KVPayload, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Continue decoding a sequence prefilled elsewhere: fresh tagged pages, converted on arrival.
+        Raises RequestError on a malformed payload and CapacityError when the decode pool is full."""
+        params = params or SamplingParams()
+        params.validate()
+        ps = self.pool.page_size
+        if payload.page_size != ps:
+            raise RequestError(f"KV payload page size {payload.page_size} != this worker's {ps}")
+        if payload.num_pages != -(-payload.num_tokens // ps) or len(payload.layers) != len(self.pool.layers):
+            raise RequestError("KV payload shape does not match its token count or this model")
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            raise CapacityError("decode worker is at max_num_seqs; retry later")
+        rid = request_id or payload.request_id or uuid.uuid4().hex
+        if rid in self._requests:
+            raise RequestError(f"request id {rid!r} is already in flight")
+        try:
+            refs = allocate_pages(self.pool, payload.num_pages)
+        except OutOfPages as exc:
+            raise CapacityError("decode KV pool is full; retry later") from exc
+        convert_into(self.pool, refs, payload.layers, payload.scales, backend=self.config.kernel_backend)
+        seq = Sequence(rid, payload.prompt_token_ids, params)
+        if payload.generator_state is not None and seq.generator is not None:
+            seq.generator.set_state(payload.generator_state)
+        seq.output_token_ids = [payload.first_token]
+        seq.block_table = refs
+        seq.pool_name = self.pool.name
+        seq.num_computed_tokens = payload.num_tokens
+        seq.num_cached_tokens = payload.num_cached_tokens
+        seq.status = SeqStatus.RUNNING
+        tr = _Tracked(seq, Detokenizer(self.tokenizer))
+        self._requests[rid] = tr
+        self._check_stop(seq, payload.first_token)
+        if seq.finished:  # the sender should have finished it; honour the stop anyway
+            self.pool.release_all(refs)
+            seq.block_table = []
+        else:
+            self.scheduler.running.append(seq)
+        return rid
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -328,24 +469,25 @@ class LLMEngine:
     # ------------------------------------------------------------------ convenience
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], phase: str = "decode") -> torch.Tensor:
+    def score(
+        self, token_ids: list[int], phase: str = "decode", pool: KVPagePool | None = None
+    ) -> torch.Tensor:
         """Next-token logits [T, vocab] (float32) at every position of ``token_ids``, through the paged
-        KV path with the given phase's weights; the pages are released afterwards."""
+        KV path of ``pool`` (default: the phase's pool) with the phase's weights; pages are released."""
         from .scheduler import ScheduledStep
-        from .sequence import Sequence
 
-        if not token_ids or len(token_ids) > self.pool.capacity_tokens:
-            raise RequestError("score needs 1..capacity tokens")
+        pool = pool or (self.pool if phase == "decode" else self.prefill_pool)
+        if not token_ids or len(token_ids) > pool.capacity_tokens:
+            raise RequestError(f"score needs 1..{pool.capacity_tokens} tokens")
         seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
-        ps = self.pool.page_size
+        seq.block_table = allocate_pages(pool, -(-len(token_ids) // pool.page_size))
         try:
-            seq.block_table = [self.pool.allocate() for _ in range(-(-len(token_ids) // ps))]
             step = ScheduledStep("prefill", [seq], [len(token_ids)])
-            batch, _ = self.runner.build_batch(step, self.pool)
+            batch, _ = self.runner.build_batch(step, pool)
             batch.logits_indices = torch.arange(len(token_ids), device=self.device)
             return self.model.forward(batch, weights_phase=phase)
         finally:
-            self.pool.release_all(seq.block_table)
+            pool.release_all(seq.block_table)
 
     def run_until_done(self, on_output=None, max_steps: int | None = None) -> dict[str, RequestOutput]:
         """Step until every queued request has finished; returns the final output per request."""

@@ -20,10 +20,29 @@ class ConfigError(ValueError):
 class PhaseFormats:
     """Numeric formats per phase: weights and KV cache for prefill and for decode."""
 
-    prefill_weights: str = "bf16"
+    prefill_weights: str = "fp8"
     prefill_kv: str = "bf16"
-    decode_weights: str = "bf16"
-    decode_kv: str = "bf16"
+    decode_weights: str = "int4"
+    decode_kv: str = "fp8_e4m3"
+
+    @classmethod
+    def reference(cls) -> PhaseFormats:
+        """Dense weights and KV in the compute dtype for both phases (the transformers-comparable path)."""
+        return cls("bf16", "bf16", "bf16", "bf16")
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseFormats:
+        """'int4/fp8' (decode weights/KV, prefill stays high precision) or 'pw/pkv/dw/dkv'."""
+        parts = [p.strip() for p in text.split("/")]
+        kv = {"fp8": "fp8_e4m3"}
+        if len(parts) == 2:
+            f = cls("bf16", "bf16", parts[0], kv.get(parts[1], parts[1]))
+        elif len(parts) == 4:
+            f = cls(parts[0], kv.get(parts[1], parts[1]), parts[2], kv.get(parts[3], parts[3]))
+        else:
+            raise ConfigError(f"cannot read formats from {text!r}: use WEIGHTS/KV or PW/PKV/DW/DKV")
+        f.validate()
+        return f
 
     def validate(self) -> None:
         for name in ("prefill_weights", "decode_weights"):
@@ -92,12 +111,14 @@ class EngineConfig:
     kv_memory: int | None = None  # bytes for the KV pool(s); None -> kv_memory_fraction
     kv_memory_fraction: float = 0.9  # of free device memory after weights (CUDA); CPU default below
     cpu_kv_default: int = 1 << 30
+    prefill_kv_fraction: float = 0.25  # of the KV budget for the prefill pool when its format differs
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None -> the model's context length
     enable_prefix_caching: bool = True
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"
+    role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
 
@@ -109,6 +130,8 @@ class EngineConfig:
             raise ConfigError(
                 f"integrity must be one of {', '.join(INTEGRITY_MODES)}, got {self.integrity!r}"
             )
+        if self.role not in ("both", "prefill", "decode"):
+            raise ConfigError(f"role must be both, prefill or decode, got {self.role!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
 from pagoda.kernels.integrity import check_page_tags, find_mismatches
 
 from .kv_pool import KVPagePool

@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
+
 from pagoda.kernels.integrity import next_tag
 
 log = logging.getLogger("pagoda.kv")

@@ -40,9 +40,13 @@ class ScheduledStep:
 class Scheduler:
     """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
 
-    def __init__(self, config: SchedulerConfig, pool: KVPagePool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, pool: KVPagePool, decode_pool: KVPagePool | None = None
+    ) -> None:
         self.config = config
-        self.pool = pool
+        self.pool = pool  # the prefill pool: prompt chunks and the prefix cache live here
+        self.decode_pool = decode_pool or pool  # decode reads/writes here (the same pool when formats match)
+        self.pools = {pool.name: pool, self.decode_pool.name: self.decode_pool}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_phase = "decode"
@@ -70,8 +74,15 @@ class Scheduler:
             self.running.remove(seq)
         self.free_pages(seq)
 
+    def pool_of(self, seq: Sequence) -> KVPagePool:
+        return self.pools.get(seq.pool_name, self.pool)
+
+    def in_decode_pool(self, seq: Sequence) -> bool:
+        return self.pool_of(seq) is self.decode_pool
+
     def free_pages(self, seq: Sequence) -> None:
-        self.pool.release_all(seq.block_table)
+        self.pool_of(seq).release_all(seq.block_table)
+        seq.pool_name = self.pool.name
         seq.block_table = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0
@@ -80,7 +91,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """Pick the next step; None when there is nothing to do."""
-        decode_ready = [s for s in self.running if not s.needs_prefill]
+        decode_ready = [s for s in self.running if not s.needs_prefill and self.in_decode_pool(s)]
         want_prefill = bool(self.waiting) or any(s.needs_prefill for s in self.running)
         if want_prefill and (not decode_ready or self._last_phase == "decode"):
             step = self._schedule_prefill()
@@ -92,11 +103,13 @@ class Scheduler:
             if step is not None:
                 self._last_phase = "decode"
                 return step
-        if self.running and self.pool.num_free == 0:
+        holders = [
+            s for s in self.running if s.block_table and self.pool_of(s) is self.pool and s.needs_prefill
+        ]
+        if len(holders) > 1 and self.pool.num_free == 0:
             # prefills hold pages but none can grow: free the newest and retry (it is recomputed later)
-            if len(self.running) > 1:
-                self._preempt(self._newest_running(exclude=None))
-                return self.schedule()
+            self._preempt(max(holders, key=lambda s: s.arrival))
+            return self.schedule()
         return None
 
     def _schedule_prefill(self) -> ScheduledStep | None:
@@ -108,7 +121,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            n = self._reserve(seq, n)
+            n = self._reserve(seq, n, self.pool)
             if n > 0:
                 seqs.append(seq)
                 counts.append(n)
@@ -124,7 +137,12 @@ class Scheduler:
             need = self._pages_needed(seq, n)
             if self.pool.num_free - need < watermark and self.running:
                 break
-            n = self._reserve(seq, n)
+            if self.decode_pool is not self.pool and self.running:
+                # the prompt moves to the decode pool when its prefill ends: it must fit there too
+                dmark = int(self.config.watermark * self.decode_pool.num_pages)
+                if self.decode_pool.num_free - self._pages_for(seq.num_tokens + 1) < dmark:
+                    break
+            n = self._reserve(seq, n, self.pool)
             if n <= 0:
                 break
             self.waiting.popleft()
@@ -139,13 +157,16 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledStep | None:
         preempted: list[Sequence] = []
-        ready = sorted((s for s in self.running if not s.needs_prefill), key=lambda s: s.arrival)
+        ready = sorted(
+            (s for s in self.running if not s.needs_prefill and self.in_decode_pool(s)),
+            key=lambda s: s.arrival,
+        )
         scheduled: list[Sequence] = []
         for seq in ready:
             if seq.status != SeqStatus.RUNNING:
                 continue  # preempted below while making room for an older one
-            while self._reserve(seq, 1) < 1:
-                victim = self._newest_running(exclude=None)
+            while self._reserve(seq, 1, self.decode_pool) < 1:
+                victim = self._newest_in_decode_pool()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -158,17 +179,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pages
 
-    def _pages_needed(self, seq: Sequence, n: int) -> int:
-        ps = self.pool.page_size
-        total = -(-(seq.num_computed_tokens + n) // ps)
-        return max(0, total - len(seq.block_table))
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
 
-    def _reserve(self, seq: Sequence, n: int) -> int:
-        """Map pages for ``n`` more tokens; returns how many tokens fit (may be fewer)."""
-        ps = self.pool.page_size
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, self._pages_for(seq.num_computed_tokens + n) - len(seq.block_table))
+
+    def _reserve(self, seq: Sequence, n: int, pool: KVPagePool) -> int:
+        """Map pages of ``pool`` for ``n`` more tokens; returns how many tokens fit (may be fewer)."""
+        ps = pool.page_size
+        seq.pool_name = pool.name
         while n > 0 and self._pages_needed(seq, n) > 0:
             try:
-                seq.block_table.append(self.pool.allocate())
+                seq.block_table.append(pool.allocate())
             except OutOfPages:
                 n = len(seq.block_table) * ps - seq.num_computed_tokens
                 break
@@ -196,8 +219,8 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_computed_tokens
 
     def seal_full_pages(self, seq: Sequence) -> None:
-        """Index the sequence's full pages in the prefix cache."""
-        if not self.config.enable_prefix_caching:
+        """Index the sequence's full pages in the prefix cache (which lives in the prefill pool)."""
+        if not self.config.enable_prefix_caching or self.pool_of(seq) is not self.pool:
             return
         ps = self.pool.page_size
         done = len(seq.page_hashes)
@@ -213,6 +236,20 @@ class Scheduler:
     def _newest_running(self, exclude: Sequence | None) -> Sequence:
         cands = [s for s in self.running if s is not exclude]
         return max(cands, key=lambda s: s.arrival)
+
+    def _newest_in_decode_pool(self) -> Sequence:
+        return max(
+            (s for s in self.running if self.in_decode_pool(s) and s.block_table), key=lambda s: s.arrival
+        )
+
+    def awaiting_migration(self) -> list[Sequence]:
+        """Prefilled sequences whose pages still sit in the prefill pool (oldest first)."""
+        if self.decode_pool is self.pool:
+            return []
+        return sorted(
+            (s for s in self.running if not s.needs_prefill and not self.in_decode_pool(s)),
+            key=lambda s: s.arrival,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages and requeue it first; it will be recomputed."""

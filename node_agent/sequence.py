@@ -72,6 +72,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
         self.num_preemptions = 0
+        self.prefill_only = False  # stop after the first token and hand the KV to a decode worker
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.output_text = ""

@@ -30,12 +30,15 @@ def builtin_tokenizer(builtin_loaded):
 def make_engine(builtin_loaded, builtin_tokenizer):
     """Factory for engines over the shared built-in weights (no reload): make_engine(**EngineConfig)."""
     from pagoda.node_agent.engine import LLMEngine
-    from pagoda.node_agent.engine_config import EngineConfig
+    from pagoda.node_agent.engine_config import EngineConfig, PhaseFormats
 
     def factory(**kw):
         kw.setdefault("dtype", "float32")
         kw.setdefault("kv_memory", 256 << 20)
-        return LLMEngine(EngineConfig(model=BUILTIN, **kw), loaded=builtin_loaded, tokenizer=builtin_tokenizer)
+        kw.setdefault("formats", PhaseFormats.reference())
+        return LLMEngine(
+            EngineConfig(model=BUILTIN, **kw), loaded=builtin_loaded, tokenizer=builtin_tokenizer
+        )
 
     return factory
 

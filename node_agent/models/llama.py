@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
-from torch import nn
 
 from ..model_config import ModelConfig
 from ..step_batch import StepBatch
@@ -126,8 +127,9 @@ class DecoderLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch,
-                phase: str) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, phase: str
+    ) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
         cache = b.pool.layers[self.idx]

@@ -73,7 +73,9 @@ def test_preemption_under_tiny_kv_budget_keeps_output(make_engine, prompts, refe
     from pagoda.node_agent.kv_pool import KVPagePool
 
     probe = make_engine(kv_memory=1 << 20)
-    per_page = KVPagePool.bytes_per_page(probe.model_config.num_layers, 16, probe._kv_components(), probe.dtype)
+    per_page = KVPagePool.bytes_per_page(
+        probe.model_config.num_layers, 16, probe._kv_components(), probe.dtype
+    )
     eng = make_engine(kv_memory=12 * per_page, max_num_batched_tokens=64)
     assert eng.pool.num_pages == 12
     got = run_all_at_once(eng, prompts)

@@ -15,7 +15,7 @@ NEW_TOKENS = 32
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.slow

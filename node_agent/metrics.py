@@ -1,0 +1,259 @@
+"""Prometheus metrics of a worker or router (prometheus-client), every name prefixed ``pagoda_``.
+
+Event metrics (requests, latencies, tokens) are updated as outputs arrive; engine state (KV pages,
+running/waiting, integrity counters, weight bytes, formats) is read from the engine loop's latest
+snapshot at scrape time. Every series has a ``pool`` label: the worker's pool (prefill, decode,
+both or router); KV series add ``kv_pool``, the engine's own page pool they describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class KVPoolState:
+    name: str
+    num_pages: int
+    num_used: int
+    page_size: int
+    capacity_tokens: int
+    kv_format: str = ""
+
+
+@dataclass
+class EngineSnapshot:
+    """Engine state copied by the engine thread (safe to read from any thread)."""
+
+    ready: bool = False
+    pools: list[KVPoolState] = field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
+    integrity_mode: str = "off"
+    integrity: dict[str, int] = field(default_factory=dict)
+    weight_bytes: int = 0
+    formats: dict[str, str] = field(default_factory=dict)
+    prefix_hit_tokens: int = 0
+    generation_tokens: int = 0
+    model: str = ""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return sum(p.capacity_tokens for p in self.pools)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return sum(p.num_used * p.page_size for p in self.pools)
+
+
+class ServeMetrics:
+    """The metrics of one process, on its own registry (so tests can run several in one process)."""
+
+    def __init__(self, pool: str, snapshot: Callable[[], EngineSnapshot] | None = None) -> None:
+        self.pool = pool
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "pagoda_requests",
+            "Requests by outcome (stop, length, abort, error, rejected, invalid)",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagoda_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagoda_inter_token_latency_seconds",
+            "Time between consecutive generated tokens",
+            ["pool"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagoda_request_latency_seconds",
+            "Time from arrival to the last token",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagoda_prompt_tokens", "Prompt tokens of finished requests", ["pool"], registry=r
+        )
+        self.generation_tokens = Counter("pagoda_generation_tokens", "Generated tokens", ["pool"], registry=r)
+        self.cached_tokens = Counter(
+            "pagoda_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache (prefill skipped)",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_transfer_pages = Counter(
+            "pagoda_kv_transfer_pages",
+            "KV pages handed off between workers",
+            ["pool", "direction"],
+            registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "pagoda_kv_transfer_bytes",
+            "KV bytes handed off between workers",
+            ["pool", "direction"],
+            registry=r,
+        )
+        self.kv_transfer_failures = Counter(
+            "pagoda_kv_transfer_failures",
+            "KV handoffs that failed (checksum, framing, connection)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pagoda_kv_transfer_seconds",
+            "Duration of one KV handoff",
+            ["pool", "direction"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.routed = Counter(
+            "pagoda_router_routed",
+            "Requests routed to a worker, by the rule that chose it",
+            ["pool", "worker", "rule"],
+            registry=r,
+        )
+        self.worker_ready = _WorkerGauge(pool)
+        r.register(self.worker_ready)
+        if snapshot is not None:
+            r.register(EngineCollector(pool, snapshot))
+        for outcome in ("stop", "length", "abort", "error", "rejected", "invalid"):
+            self.requests.labels(pool, outcome)
+        for m in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.cached_tokens,
+        ):
+            m.labels(pool)
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(self.pool, outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerGauge(Collector):
+    """pagoda_router_worker_ready{worker, role}: 1 while the router considers a worker ready."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+        self.workers: dict[tuple[str, str], bool] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "pagoda_router_worker_ready",
+            "Workers the router sends to (1 = ready)",
+            labels=["pool", "worker", "role"],
+        )
+        for (url, role), ok in sorted(self.workers.items()):
+            g.add_metric([self.pool, url, role], 1.0 if ok else 0.0)
+        yield g
+
+
+class EngineCollector(Collector):
+    """Engine state from the latest snapshot, read at scrape time."""
+
+    def __init__(self, pool: str, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self.pool = pool
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        p = self.pool
+        kv = ["pool", "kv_pool"]
+        total = GaugeMetricFamily("pagoda_kv_pages_total", "KV pages in the pool", labels=kv)
+        used = GaugeMetricFamily("pagoda_kv_pages_used", "KV pages referenced by requests", labels=kv)
+        cap = GaugeMetricFamily("pagoda_kv_capacity_tokens", "Tokens the KV pool holds", labels=kv)
+        used_tok = GaugeMetricFamily("pagoda_kv_used_tokens", "Tokens' worth of KV pages in use", labels=kv)
+        for pool in s.pools:
+            total.add_metric([p, pool.name], pool.num_pages)
+            used.add_metric([p, pool.name], pool.num_used)
+            cap.add_metric([p, pool.name], pool.capacity_tokens)
+            used_tok.add_metric([p, pool.name], pool.num_used * pool.page_size)
+        yield from (total, used, cap, used_tok)
+        yield _gauge("pagoda_running_sequences", "Sequences in the running batch", p, s.running)
+        yield _gauge("pagoda_waiting_sequences", "Sequences queued for admission", p, s.waiting)
+        yield _gauge(
+            "pagoda_weight_bytes", "Bytes of model weights held (all phase formats)", p, s.weight_bytes
+        )
+        yield _gauge("pagoda_ready", "1 when the engine is loaded and its loop runs", p, int(s.ready))
+        yield _counter("pagoda_integrity_checks", "Batched KV tag checks", p, s.integrity.get("checks", 0))
+        yield _counter(
+            "pagoda_integrity_pages_checked",
+            "KV pages whose tag was checked",
+            p,
+            s.integrity.get("pages_checked", 0),
+        )
+        yield _counter(
+            "pagoda_integrity_mismatches", "KV tag mismatches found", p, s.integrity.get("mismatches", 0)
+        )
+        yield _counter(
+            "pagoda_integrity_requests_aborted",
+            "Requests failed closed on a tag mismatch",
+            p,
+            s.integrity.get("requests_aborted", 0),
+        )
+        info = InfoMetricFamily(
+            "pagoda_engine", "Model, integrity mode and per-phase formats", labels=["pool"]
+        )
+        info.add_metric([p], {"model": s.model, "integrity": s.integrity_mode, **s.formats})
+        yield info
+
+
+def _gauge(name: str, doc: str, pool: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["pool"])
+    g.add_metric([pool], value)
+    return g
+
+
+def _counter(name: str, doc: str, pool: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["pool"])
+    c.add_metric([pool], value)
+    return c
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (tests and the bench read figures this way)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str, **labels: Any) -> float:
+    """Sum of every series of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for key, value in metrics.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += value
+    return total
