@@ -57,7 +57,7 @@ def quantize_fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     return quantize_fp8(w.detach(), scale[:, None]), scale
 
 
-@dataclass
+@dataclass(eq=False)
 class Fp8Weight:
     """An FP8 weight with per-output-channel scales (what ``pagoda quantize`` stores)."""
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import resolve
+from .dispatch import record, select_backend
 
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 # torch's CPU int4 matmul is ~10x faster with bf16 activations than with float32 ones (measured on
@@ -52,7 +52,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
 
 
-@dataclass
+@dataclass(eq=False)
 class Int4Weight:
     """A group-wise INT4 weight plus lazily built backend layouts.
 
@@ -228,9 +228,10 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    be = resolve("int4_linear", x.device, backend)
+    be = select_backend(x.device, backend)
     if be == "cpu" and not _cpu_op_ok(x2, qw):
-        be = "reference"
+        be = "reference"  # torch's int4pack op is CPU-only; counted as what actually runs
+    record("int4_linear", be)
     if be == "triton":
         from .triton_int4 import int4_gemm
 
