@@ -1,0 +1,70 @@
+"""Tiny random-weight Llama, Mistral, Qwen2 and Qwen3 models saved by transformers load into the
+engine and match transformers' logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.node_agent.engine import LLMEngine
+from pagoda.node_agent.engine_config import EngineConfig, PhaseFormats
+from pagoda.node_agent.sequence import SamplingParams
+
+# float32 end to end; paged attention and fused ops reorder sums, so allow a little rounding.
+MAX_ABS_LOGIT_DIFF = 2e-4
+
+COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": LlamaConfig(**COMMON, rope_theta=10000.0, tie_word_embeddings=False),
+        "mistral": MistralConfig(**COMMON, rope_theta=10000.0, sliding_window=None),
+        "qwen2": Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=True),
+        "qwen3": Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False),
+    }
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+def tiny_model(request, tmp_path_factory, builtin_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = _configs()[request.param]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    if request.param == "qwen2":  # q/k/v biases are zero-initialised; make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    builtin_tokenizer._tok.save_pretrained(path)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(),
+                                    kv_memory=8 << 20))
+    return request.param, model, engine
+
+
+def test_logits_match_transformers(tiny_model):
+    arch, model, engine = tiny_model
+    assert engine.model_config.arch == arch
+    ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    assert len(ids) > engine.pool.page_size  # spans several pages
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0].float()
+    got = engine.score(ids, phase="prefill")
+    diff = (got - want).abs().max().item()
+    assert diff < MAX_ABS_LOGIT_DIFF, f"{arch}: max |logit diff| {diff}"
+
+
+def test_greedy_decode_matches_transformers(tiny_model):
+    arch, model, engine = tiny_model
+    ids = engine.tokenize("Once upon a time")
+    rid = engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    got = engine.run_until_done()[rid].token_ids
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    assert got == out[0, len(ids):].tolist(), arch
