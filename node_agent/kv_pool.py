@@ -177,7 +177,17 @@ class KVPagePool:
                 self.free.append(page)
 
     def release_all(self, refs: list[PageRef]) -> None:
+        """Drop the references; a stale one (its page since reallocated) owns nothing and is skipped."""
         for ref in refs:
+            if self._tags[ref.page] != ref.tag:
+                log.error(
+                    "%s: not releasing stale reference to page %d (tag %d, now %d)",
+                    self.name,
+                    ref.page,
+                    ref.tag,
+                    self._tags[ref.page],
+                )
+                continue
             self.release(ref.page)
 
     def current_tag(self, page: int) -> int:
@@ -199,6 +209,13 @@ class KVPagePool:
             return None
         self.incref(page)
         return PageRef(page, self._tags[page])
+
+    def uncache(self, page: int) -> None:
+        """Drop a page from the prefix index (e.g. its bytes failed an audit); free it if unreferenced."""
+        self._unindex(page)
+        if self.refcount[page] == 0 and page in self.evictable:
+            del self.evictable[page]
+            self.free.append(page)
 
     def _unindex(self, page: int) -> None:
         h = self.page_hash.pop(page, None)
