@@ -118,6 +118,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"
+    fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
