@@ -240,7 +240,7 @@ class AsyncEngine:
             self._release()
             if self.metrics:
                 self.metrics.outcome("invalid" if isinstance(exc, (RequestError, ValueError)) else "error")
-            cmd.done.set_exception(exc if isinstance(exc, RequestError) else RequestError(str(exc)))
+            cmd.done.set_exception(exc)
             return
         self._live[cmd.rid] = cmd.live
         cmd.done.set_result(cmd.rid)
@@ -361,16 +361,10 @@ class AsyncEngine:
 
 
 def engine_pools(engine: Any) -> dict[str, Any]:
-    """The engine's KV page pools by name (one shared pool, or one per phase)."""
-    pools = getattr(engine, "pools", None)
-    if isinstance(pools, dict) and pools:
-        return dict(pools)
-    named = {n: getattr(engine, f"{n}_pool", None) for n in ("prefill", "decode")}
-    named = {n: p for n, p in named.items() if p is not None}
-    if named:
-        uniq: dict[str, Any] = {}
-        for n, p in named.items():
-            if all(p is not q for q in uniq.values()):
-                uniq[n] = p
-        return uniq
-    return {engine.pool.name: engine.pool}
+    """The engine's KV page pools by name: one shared pool, or a prefill and a decode pool."""
+    pools = [getattr(engine, "prefill_pool", None), engine.pool]
+    out: dict[str, Any] = {}
+    for p in pools:
+        if p is not None and all(p is not q for q in out.values()):
+            out[p.name] = p
+    return out

@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import bench_cli
 
     bench_cli.add_bench_parser(sub, add_engine_args)
+    from . import serve_cli
+
+    serve_cli.register_serve(sub, add_engine_args)
+    serve_cli.register_bench_serve(sub, add_engine_args)
     return ap
 
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed, RequestStream
+from .engine import CapacityError
 from .openai_protocol import ApiError
 from .sequence import RequestError
 from .serving_types import GenRequest, StreamChunk
@@ -28,7 +29,7 @@ def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
 
 
 def busy_error(exc: Exception) -> ApiError:
-    if isinstance(exc, QueueFull):
+    if isinstance(exc, QueueFull | CapacityError):
         return ApiError(
             429,
             f"the server is busy ({exc}); retry later",
@@ -88,7 +89,7 @@ class LocalBackend:
             )
         except RequestError as exc:
             raise request_error(exc, "messages" if req.chat else "prompt") from exc
-        except (QueueFull, EngineDead) as exc:
+        except (QueueFull, EngineDead, CapacityError) as exc:
             raise busy_error(exc) from exc
         return LocalHandle(stream)
 
