@@ -13,8 +13,16 @@ from pagoda.node_agent.sequence import SamplingParams
 # float32 end to end; paged attention and fused ops reorder sums, so allow a little rounding.
 MAX_ABS_LOGIT_DIFF = 2e-4
 
-COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+COMMON = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 
 def _configs():
@@ -42,8 +50,9 @@ def tiny_model(request, tmp_path_factory, builtin_tokenizer):
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     builtin_tokenizer._tok.save_pretrained(path)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(),
-                                    kv_memory=8 << 20))
+    engine = LLMEngine(
+        EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=8 << 20)
+    )
     return request.param, model, engine
 
 
@@ -65,6 +74,7 @@ def test_greedy_decode_matches_transformers(tiny_model):
     rid = engine.add_request(ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     got = engine.run_until_done()[rid].token_ids
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    assert got == out[0, len(ids):].tolist(), arch
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    assert got == out[0, len(ids) :].tolist(), arch
