@@ -1,0 +1,126 @@
+"""The agent reporter against the kmock Kubernetes emulator, with the real kopf operator reading
+the reports: the status patch has the contract's shape and the operator aggregates it."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+
+import pytest
+
+from pagoda.node_agent.agent_reporter import AgentReporter, KubeAuth, ReporterConfig
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "operator"))
+
+from op_cluster import MD_PATH, POD_PATH, Cluster  # noqa: E402
+from op_schema import admit, example  # noqa: E402
+
+from pagoda.operator.config import Config  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+NS = "default"
+MD = MD_PATH.format(ns=NS) + "/smollm"
+POD = "smollm-decode-7c9f-x2k4q"
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    kubeconfig = tmp_path / "kubeconfig"
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    running = Cluster(Config(resync_s=0.5, stale_after_s=30, report_interval_s=1), kubeconfig)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_reporter_is_off_outside_a_deployment() -> None:
+    assert ReporterConfig.from_env("decode", env={}) is None
+    assert ReporterConfig.from_env("decode", env={"PAGODA_MD_NAME": "x"}) is None
+    cfg = ReporterConfig.from_env(
+        "both",
+        env={
+            "PAGODA_MD_NAME": "smollm",
+            "PAGODA_POD_NAME": "p",
+            "PAGODA_MD_NAMESPACE": "ns",
+            "PAGODA_POOL": "decode",
+            "PAGODA_REPORT_INTERVAL_S": "3",
+        },
+    )
+    assert (cfg.pool, cfg.interval_s, cfg.path) == (
+        "decode",
+        3.0,
+        "/apis/pagoda.dev/v1alpha1/namespaces/ns/modeldeployments/smollm/status",
+    )
+
+
+def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, stack) -> None:
+    stored = admit(example(prefill={"gpus": 0}, decode={"gpus": 0}))
+    stored["metadata"].update(
+        uid="uid-1", generation=1, resourceVersion="1", creationTimestamp="2026-11-29T12:00:00Z"
+    )
+    cluster.create(MD_PATH.format(ns=NS), stored)
+    labels = {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": "decode"}
+    cluster.create(POD_PATH.format(ns=NS), {"metadata": {"name": POD, "namespace": NS, "labels": labels}})
+    cfg = ReporterConfig.from_env(
+        "decode",
+        interval=0.3,
+        env={
+            "PAGODA_MD_NAME": "smollm",
+            "PAGODA_MD_NAMESPACE": NS,
+            "PAGODA_POD_NAME": POD,
+            "PAGODA_POOL": "decode",
+            "PAGODA_NODE_NAME": "node-a",
+        },
+    )
+    snap = stack.aengine.snapshot  # a live engine's figures
+
+    async def run() -> AgentReporter:
+        rep = AgentReporter(cfg, snap, KubeAuth.from_kubeconfig(str(cluster.kubeconfig)))
+        await rep.start()
+        await asyncio.sleep(1.5)
+        await rep.stop()
+        return rep
+
+    rep = asyncio.run(run())
+    assert rep.sent >= 2 and rep.failures == 0
+    md = cluster.get(MD)
+    report = md["status"]["agents"][POD]
+    assert set(report) >= {
+        "pool",
+        "node",
+        "ready",
+        "formats",
+        "weightBytes",
+        "kvCapacityTokens",
+        "kvUsedTokens",
+        "tokensPerSecond",
+        "runningRequests",
+        "waitingRequests",
+        "integrity",
+        "lastReportTime",
+    }
+    s = snap()
+    assert report["pool"] == "decode" and report["node"] == "node-a" and report["ready"] is True
+    assert report["kvCapacityTokens"] == s.kv_capacity_tokens > 0
+    assert report["weightBytes"] == s.weight_bytes > 0
+    assert report["formats"] == {
+        "prefillWeights": "bf16",
+        "prefillKv": "bf16",
+        "decodeWeights": "bf16",
+        "decodeKv": "bf16",
+    }
+    assert set(report["integrity"]) == {"mode", "checks", "pagesChecked", "mismatches", "requestsAborted"}
+    assert report["integrity"]["mode"] == "enforce"
+    assert report["lastReportTime"].endswith("Z")
+    decode = cluster.wait_for(
+        lambda: (
+            (m := cluster.get(MD))
+            and (d := m["status"].get("decode") or {}).get("reportingAgents") == 1
+            and d
+        ),
+        what="the operator's aggregation of the report",
+    )
+    assert decode["kvCapacityTokens"] == s.kv_capacity_tokens

@@ -1,0 +1,50 @@
+"""Request parsing and tenant salts, without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.node_agent.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from pagoda.node_agent.tenancy import TenantPolicy
+
+
+def test_parse_accepts_openai_shapes() -> None:
+    r = parse_body(b'{"model": "m", "prompt": [1, 2, 3], "stop": "x", "max_tokens": 3}', CompletionRequest)
+    assert r.prompts() == [[1, 2, 3]] and r.sampling(3).stop == ["x"]
+    c = parse_body(
+        b'{"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "hi"}]}],'
+        b' "max_completion_tokens": 5}',
+        ChatCompletionRequest,
+    )
+    assert c.chat_messages() == [{"role": "system", "content": "hi"}] and c.requested_max_tokens() == 5
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+        (b'{"model": "m", "prompt": "x", "presence_penalty": 1}', "presence_penalty"),
+        (b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        (b'{"model": "m", "prompt": []}', "prompt"),
+        (b'{"model": 3, "prompt": "x"}', "model"),
+    ],
+)
+def test_parse_errors_name_the_field(raw: bytes, param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_body(raw, CompletionRequest)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_salts_are_server_derived_per_tenant() -> None:
+    p = TenantPolicy(b"k1", "x-pagoda-tenant", "public")
+    a, b = p.salt({"x-pagoda-tenant": "alice"}), p.salt({"x-pagoda-tenant": "bob"})
+    assert a != b and a == p.salt({"x-pagoda-tenant": "alice"})
+    assert "alice" not in a and len(a) == 32
+    assert TenantPolicy(b"k2", "x-pagoda-tenant").salt({"x-pagoda-tenant": "alice"}) != a  # secret matters
+    shared = p.salt({"x-pagoda-tenant": "alice", "x-pagoda-cache-scope": "public"})
+    assert shared == p.salt({"x-pagoda-tenant": "bob", "x-pagoda-cache-scope": "public"}) != a
+    with pytest.raises(ApiError):
+        p.salt({"x-pagoda-cache-scope": "bob"})
+    keyed = TenantPolicy(b"k1", "authorization")
+    assert keyed.salt({"authorization": "Bearer sk-1"}) != keyed.salt({"authorization": "Bearer sk-2"})
+    assert keyed.tenant({"authorization": "Bearer sk-1"}) == "sk-1"
