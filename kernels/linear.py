@@ -93,14 +93,23 @@ class Int4Linear:
 
 
 def make_linear_weight(
-    w: Tensor,
+    w: Tensor | Int4Weight | Fp8Weight,
     fmt: str,
     dtype: torch.dtype,
     bias: Tensor | None = None,
     group_size: int | None = None,
     backend: str | None = None,
 ) -> LinearWeight:
-    """Quantize/convert ``w [N, K]`` into ``fmt``; ``dtype`` is the engine's compute dtype."""
+    """Quantize/convert ``w [N, K]`` into ``fmt``; ``dtype`` is the engine's compute dtype.
+
+    ``w`` may be a prequantized Int4Weight / Fp8Weight: used as is for its own format, dequantized
+    for any other."""
+    if isinstance(w, Int4Weight) and fmt == "int4":
+        return Int4Linear(w, dtype, bias, backend)
+    if isinstance(w, Fp8Weight) and fmt == "fp8":
+        return Fp8Linear(w, bias, backend)
+    if isinstance(w, Int4Weight | Fp8Weight):
+        w = w.dequantize()
     if fmt == "bf16":
         return DenseLinear(w, dtype, bias, fmt)
     if fmt == "fp32":

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .model_cache import read_cache, write_cache
 from .model_config import ModelConfig, ModelLoadError, config_from_hf, family_of
 
 log = logging.getLogger("pagoda.loader")
@@ -115,6 +116,18 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _load_gguf(source: str, path: Path) -> LoadedModel:
+    hit = read_cache(path)
+    if hit is not None:
+        cfg, weights, tok_dir = hit
+        return LoadedModel(source, cfg, weights, tok_dir, None)
+    loaded = _decode_gguf(source, path)
+    tok_dir = write_cache(path, loaded.config, loaded.weights)
+    if tok_dir is not None:
+        loaded.tokenizer_dir, loaded.gguf_file = tok_dir, None
+    return loaded
+
+
+def _decode_gguf(source: str, path: Path) -> LoadedModel:
     import gguf  # local: only needed for GGUF sources
 
     try:
@@ -227,6 +240,13 @@ def _load_hf_dir(source: str, path: Path) -> LoadedModel:
         raise ModelLoadError(f"{path} has no tokenizer.json")
     if manifest is None:
         _check_weights(cfg, weights, str(path))
+    else:  # a `pagoda quantize` checkpoint: packed tensors -> Int4Weight / Fp8Weight objects
+        from .quantize import assemble_quantized
+
+        try:
+            weights = assemble_quantized(weights, manifest)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
     return LoadedModel(source, cfg, weights, str(path), None, manifest)
 
 

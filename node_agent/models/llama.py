@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 
@@ -28,12 +30,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def prequantized_format(w: object) -> str | None:
+    """'int4' / 'fp8' for a prequantized weight (a `pagoda quantize` checkpoint), None for a tensor."""
+    return "int4" if isinstance(w, Int4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+
+
 class PhaseLinear:
     """A linear layer holding a weight per phase (shared when both phases use the same format)."""
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | Int4Weight | Fp8Weight,
         bias: torch.Tensor | None,
         formats: dict[str, str],
         dtype: torch.dtype,
@@ -41,12 +48,17 @@ class PhaseLinear:
     ) -> None:
         self.by_phase: dict[str, LinearWeight] = {}
         made: dict[str, LinearWeight] = {}
+        stored = prequantized_format(weight)
+        dense = weight  # a prequantized weight serves its own format as is, others dequantized
+        if stored is not None and any(f != stored for f in formats.values()):
+            dense = weight.dequantize()  # before the packed object is used (the CPU path repacks it)
         for phase in PHASES:
             fmt = formats[phase]
             if fmt not in made:
-                made[fmt] = make_linear_weight(weight, fmt, dtype, bias=bias, backend=backend)
+                src = weight if fmt == stored else dense
+                made[fmt] = make_linear_weight(src, fmt, dtype, bias=bias, backend=backend)
             self.by_phase[phase] = made[fmt]
-        self.out_features = weight.shape[0]
+        self.out_features = weight.shape[0] if stored is None else weight.out_features
 
     def __call__(self, x: torch.Tensor, phase: str) -> torch.Tensor:
         return self.by_phase[phase].apply(x)
@@ -183,7 +195,7 @@ class LlamaForCausalLM:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        w = {k: v.to(device) for k, v in weights.items()}
+        w = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
         self.layers = [DecoderLayer(cfg, i, w, formats, dtype, backend) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
