@@ -125,9 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
-    from . import bench_cli
+    from . import bench_cli, evaluate, quantize
 
     bench_cli.add_bench_parser(sub, add_engine_args)
+    quantize.add_quantize_parser(sub, DEFAULT_MODEL)
+    evaluate.add_eval_parser(sub, add_engine_args)
     from . import serve_cli
 
     serve_cli.register_serve(sub, add_engine_args)
