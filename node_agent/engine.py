@@ -20,7 +20,8 @@ from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_kv
 
 from .calibration import CALIBRATION_TEXT
 from .engine_config import EngineConfig
-from .integrity import IntegrityError, make_tracker
+from .fault_injection import make_faults
+from .integrity import IntegrityError, make_tracker, release_owned
 from .kv_pool import KVPagePool, OutOfPages, storage_dtype
 from .kv_transfer import KVPayload, allocate_pages, convert_into, extract_pages, migrate
 from .loader import LoadedModel, load_model
@@ -116,7 +117,8 @@ class LLMEngine:
             self.prefill_pool,
             self.pool,
         )
-        self.integrity = make_tracker(config.integrity)
+        self.integrity = make_tracker(config.integrity, config.kernel_backend)
+        self.faults = make_faults(self, config.fault_injection)  # raises on use unless enabled
         self.stats = EngineStats()
         self._requests: dict[str, _Tracked] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -432,6 +434,8 @@ class LLMEngine:
     def _fail_integrity(self, seq: Sequence, err: IntegrityError) -> RequestOutput:
         """Fail closed: end only this request with an explicit error and release its pages."""
         log.error("integrity: aborting %s: %s", seq.request_id, err)
+        live = self.scheduler.running + list(self.scheduler.waiting)
+        release_owned(seq, self.scheduler.pool_of(seq), live)  # never a page now owned by another
         self.scheduler.abort(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "error"
