@@ -158,7 +158,7 @@ class _WorkerGauge(Collector):
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
-        self.workers: dict[tuple[str, str], bool] = {}
+        self.source: Callable[[], dict[tuple[str, str], bool]] = dict
 
     def collect(self) -> Iterator[Metric]:
         g = GaugeMetricFamily(
@@ -166,7 +166,7 @@ class _WorkerGauge(Collector):
             "Workers the router sends to (1 = ready)",
             labels=["pool", "worker", "role"],
         )
-        for (url, role), ok in sorted(self.workers.items()):
+        for (url, role), ok in sorted(self.source().items()):
             g.add_metric([self.pool, url, role], 1.0 if ok else 0.0)
         yield g
 

@@ -88,6 +88,7 @@ class Router:
         self.sessions: OrderedDict[tuple[str, str], Worker] = OrderedDict()
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task | None = None
+        metrics.worker_ready.source = lambda: {(w.url, w.role): w.ready for w in self.prefill + self.decode}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,7 +134,6 @@ class Router:
                 w.mark_down("not ready")
             w.ready = ok
             w.kv_free_tokens = int(state.get("kv_free_tokens") or 0)
-        self.metrics.worker_ready.workers[(w.url, w.role)] = w.ready
 
     # ------------------------------------------------------------------ Backend
 

@@ -1,0 +1,162 @@
+"""Router + prefill + decode worker processes: greedy output identical to the single process,
+prefix caching through the router, and a decode worker killed mid-stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from pagoda.node_agent.metrics import metric_sum
+
+from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
+from .live import free_port, metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.timeout(600)]
+
+ENGINE = ["--dtype", "float32", "--kv-memory", "48MiB", "--max-num-seqs", "16", "--max-model-len", "512"]
+
+
+def spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "pagoda.node_agent.cli",
+        "serve",
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--tenant-secret",
+        "s",
+        *ENGINE,
+        *extra,
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"worker exited: {p.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} was not ready after {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def disagg(stack):
+    pp, dp, rp = free_port(), free_port(), free_port()
+    procs = {"prefill": spawn("prefill", pp), "decode": spawn("decode", dp, "--kv-port", str(free_port()))}
+    try:
+        wait_ready(f"http://127.0.0.1:{pp}", list(procs.values()), 400)
+        wait_ready(f"http://127.0.0.1:{dp}", list(procs.values()), 400)
+        procs["router"] = spawn(
+            "router",
+            rp,
+            "--prefill-endpoints",
+            f"http://127.0.0.1:{pp}",
+            "--decode-endpoints",
+            f"http://127.0.0.1:{dp}",
+        )
+        wait_ready(f"http://127.0.0.1:{rp}", list(procs.values()), 60)
+        yield {
+            "router": f"http://127.0.0.1:{rp}",
+            "prefill": f"http://127.0.0.1:{pp}",
+            "decode": f"http://127.0.0.1:{dp}",
+            "procs": procs,
+        }
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def client(url: str, **headers) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=url + "/v1", api_key="x", default_headers=headers, max_retries=0, timeout=60
+    )
+
+
+def test_disaggregated_greedy_output_is_token_identical_to_single_process(disagg, stack) -> None:
+    c = client(disagg["router"])
+    for prompt in PROMPTS:
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == stack.offline[prompt]
+    chat = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert chat.choices[0].message.content == stack.offline_chat
+    parts = [
+        ev.choices[0].delta.content or ""
+        for ev in c.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        if ev.choices
+    ]
+    assert "".join(parts) == stack.offline_chat
+    one = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0)  # no decode step
+    assert stack.offline[PROMPTS[0]].startswith(one.choices[0].text)
+    m = metrics(disagg["decode"])
+    assert metric_sum(m, "pagoda_kv_transfer_pages_total", direction="received") > 0
+    assert metric_sum(metrics(disagg["prefill"]), "pagoda_kv_transfer_pages_total", direction="sent") > 0
+
+
+def test_prefix_cache_through_the_router_is_per_tenant(disagg) -> None:
+    prompt = "A long shared preamble about lighthouses, keepers, storms and ships at night. " * 3
+
+    def cached(tenant: str) -> int:
+        c = client(disagg["router"], **{"X-Pagoda-Tenant": tenant, "x-session-affinity": tenant})
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("alice") == 0
+    assert cached("alice") >= 32
+    assert cached("bob") == 0
+
+
+def test_killing_the_decode_worker_mid_stream_errors_promptly(disagg) -> None:
+    c = client(disagg["router"])
+    stream = c.completions.create(
+        model=MODEL,
+        prompt="Count to a thousand:",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    it = iter(stream)
+    next(it)
+    next(it)
+    disagg["procs"]["decode"].send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError, match="decode worker"):
+        for _ in it:
+            pass
+    assert time.monotonic() - t0 < 5
+    deadline = time.monotonic() + 10
+    while httpx.get(disagg["router"] + "/ready").status_code == 200:
+        assert time.monotonic() < deadline, "the router kept the dead decode worker"
+        time.sleep(0.2)
+    r = httpx.post(
+        disagg["router"] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    )
+    assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "no_worker"
+    assert metric_sum(metrics(disagg["router"]), "pagoda_router_worker_ready", role="decode") == 0
