@@ -1,0 +1,32 @@
+"""``pagoda bench serve``'s client side against the live server (the CLI also starts servers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagoda.node_agent.bench_serve import percentile, run_point, workload
+from pagoda.node_agent.cli import build_parser
+
+from .conftest import MODEL
+
+pytestmark = [pytest.mark.serve, pytest.mark.timeout(300)]
+
+
+def test_bench_point_measures_latency_and_prefix_hits(stack) -> None:
+    prompts = workload("shared-prefix", 4, "bench-test-")
+    asyncio.run(run_point(stack.url, MODEL, prompts[:1], 1, 2))
+    r = asyncio.run(run_point(stack.url, MODEL, prompts, 2, 4))
+    assert r["requests"] == 4 and r["errors"] == 0
+    assert r["throughput_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p95_s"]
+    assert 0 < r["itl_p50_s"] <= r["itl_p95_s"]
+    assert r["prefix_hit_rate"] > 0.3  # the shared preamble is served from the cache
+
+
+def test_percentile_and_cli_flags() -> None:
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([], 0.9) == 0.0
+    a = build_parser().parse_args(["bench", "serve", "--concurrency", "1,4", "--modes", "single"])
+    assert a.concurrency == [1, 4] and a.modes == ["single"]
+    s = build_parser().parse_args(["serve", "--role", "router", "--decode-endpoints", "http://d:8000"])
+    assert (s.host, s.port, s.role, s.tenant_header) == ("127.0.0.1", 8000, "router", "X-Pagoda-Tenant")
