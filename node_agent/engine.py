@@ -297,12 +297,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs of every request that progressed or ended."""
-        self._migrate_prefilled()
+        outputs = self._migrate_prefilled()
         step = self.scheduler.schedule()
         if step is None:
-            return []
+            return outputs
         pool = self.prefill_pool if step.phase == "prefill" else self.pool
-        outputs: list[RequestOutput] = []
         bad = self.integrity.check(step.seqs, pool)
         if bad:
             outputs += [self._fail_integrity(seq, err) for seq, err in bad.items()]
@@ -331,6 +330,7 @@ class LLMEngine:
                 seq.finish_reason = "prefilled"
         for seq in step.seqs:
             self.scheduler.seal_full_pages(seq)
+            self.integrity.sealed(seq, pool)  # audit: checksum of each newly sealed page
             if seq.finished:
                 self.scheduler.finish(seq)
         for seq in sampled:
@@ -344,16 +344,23 @@ class LLMEngine:
                     self.stats.requests_finished += 1
         return outputs
 
-    def _migrate_prefilled(self) -> None:
-        """Move finished prefills from the prefill pool to the decode pool, converting the KV format."""
+    def _migrate_prefilled(self) -> list[RequestOutput]:
+        """Move finished prefills from the prefill pool to the decode pool, converting the KV format.
+        Pages are tag-checked before they are copied; returns the outputs of requests failed closed."""
+        failed: list[RequestOutput] = []
         for seq in self.scheduler.awaiting_migration():
+            err = self.integrity.check([seq], self.prefill_pool).get(seq)
+            if err is not None:
+                failed.append(self._fail_integrity(seq, err))
+                continue
             try:
                 refs = migrate(self.prefill_pool, self.pool, seq.block_table, self.config.kernel_backend)
             except OutOfPages:
-                return  # decode frees pages as sequences finish; try again next step
+                break  # decode frees pages as sequences finish; try again next step
             seq.block_table = refs
             seq.pool_name = self.pool.name
             self.stats.migrations += 1
+        return failed
 
     # ------------------------------------------------------------------ disaggregation hooks
 
@@ -370,6 +377,7 @@ class LLMEngine:
             scales,
             gen,
             seq.num_cached_tokens,
+            meta=self.integrity.payload_meta(layers),  # audit: per-page checksums
         )
 
     def add_prefilled(
@@ -389,6 +397,7 @@ class LLMEngine:
         rid = request_id or payload.request_id or uuid.uuid4().hex
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in flight")
+        self.integrity.verify_payload(rid, payload.layers, payload.meta)  # audit: raises IntegrityError
         try:
             refs = allocate_pages(self.pool, payload.num_pages)
         except OutOfPages as exc:
