@@ -1,0 +1,114 @@
+"""Zero false positives: long randomized allocate / share / free / preempt / reuse runs never flag."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagoda.node_agent.integrity import TagTracker
+from pagoda.node_agent.kv_pool import OutOfPages
+from pagoda.node_agent.sequence import SamplingParams, Sequence
+
+from .pool_helpers import small_pool
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Sequences grow, share cached prefix pages, finish, get preempted and reuse sealed pages; the
+    tag check over every live block table must never flag one, and refcounts must add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = small_pool(num_pages=12, num_layers=1)
+        self.tracker = TagTracker(backend="cpu")
+        self.seqs: list[Sequence] = []
+        self.n = 0
+        self.sealed: list[bytes] = []
+
+    def _new(self) -> Sequence:
+        self.n += 1
+        seq = Sequence(f"s{self.n}", [1], SamplingParams())
+        self.seqs.append(seq)
+        return seq
+
+    @rule()
+    def admit(self):
+        seq = self._new()
+        try:
+            seq.block_table.append(self.pool.allocate())
+        except OutOfPages:
+            self.seqs.remove(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63), k=st.integers(1, 3))
+    def grow(self, i, k):
+        seq = self.seqs[i % len(self.seqs)]
+        for _ in range(k):
+            try:
+                seq.block_table.append(self.pool.allocate())
+            except OutOfPages:
+                return
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def seal_first_page(self, i):
+        seq = self.seqs[i % len(self.seqs)]
+        if seq.block_table:
+            h = f"prefix-{seq.request_id}".encode()
+            self.pool.seal(seq.block_table[0].page, h)
+            self.sealed.append(h)
+
+    @precondition(lambda self: self.sealed)
+    @rule(i=st.integers(0, 63))
+    def reuse_prefix(self, i):
+        ref = self.pool.lookup(self.sealed[i % len(self.sealed)])
+        if ref is not None:
+            self._new().block_table.append(ref)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def finish(self, i):
+        seq = self.seqs.pop(i % len(self.seqs))
+        self.pool.release_all(seq.block_table)
+        seq.block_table = []
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def preempt_and_readmit(self, i):
+        seq = self.seqs[i % len(self.seqs)]
+        n = len(seq.block_table)
+        self.pool.release_all(seq.block_table)
+        seq.block_table = []
+        for _ in range(n):
+            try:
+                seq.block_table.append(self.pool.allocate())
+            except OutOfPages:
+                break
+
+    @rule()
+    def drop_prefix_cache(self):
+        self.pool.clear_prefix_cache()
+        self.sealed.clear()
+
+    @invariant()
+    def no_false_positive(self):
+        assert self.tracker.check(self.seqs, self.pool) == {}
+
+    @invariant()
+    def refcounts_add_up(self):
+        held = [0] * self.pool.num_pages
+        for seq in self.seqs:
+            for ref in seq.block_table:
+                held[ref.page] += 1
+        assert held == self.pool.refcount
+
+    def teardown(self):
+        for seq in self.seqs:
+            self.pool.release_all(seq.block_table)
+        self.pool.check_idle()
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestPoolMachine = PoolMachine.TestCase
