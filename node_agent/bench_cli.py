@@ -199,3 +199,6 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
     d.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
     d.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     d.set_defaults(func=cmd_bench_decode)
+    from .bench_integrity import add_integrity_bench_parser
+
+    add_integrity_bench_parser(bs, add_engine_args)

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--integrity", choices=["enforce", "audit", "off"], default="enforce")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="integrity drills and tests only: allow injecting KV faults (never for production)",
+    )
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
 
 
@@ -71,6 +76,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_model_len=a.max_model_len,
         integrity=a.integrity,
         enable_prefix_caching=not a.no_prefix_caching,
+        fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,
     )
 
