@@ -202,3 +202,6 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
     from .bench_integrity import add_integrity_bench_parser
 
     add_integrity_bench_parser(bs, add_engine_args)
+    from .bench_formats import add_format_bench_parsers
+
+    add_format_bench_parsers(bs, add_engine_args)

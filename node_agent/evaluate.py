@@ -155,12 +155,13 @@ def run_eval(
     text: str = EVAL_TEXT,
     prompts: list[str] | None = None,
     log: Callable[[str], None] = print,
+    max_text_tokens: int | None = None,
 ) -> dict:
     """Score every entry against the float32 reference; returns the JSON-ready result."""
     prompts = EVAL_PROMPTS if prompts is None else prompts
     t0 = time.perf_counter()
     ref = make_engine(dtype="float32", formats=PhaseFormats.reference(), kv_memory=kv_memory)
-    ids = ref.tokenize(text)
+    ids = ref.tokenize(text)[:max_text_tokens]
     ref_logits = ref.score(ids, phase="decode")
     ref_greedy = greedy_tokens(ref, prompts, max_new_tokens)
     ref_ppl = perplexity(ref_logits, ids)
@@ -258,6 +259,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else 64 << 20,
         max_new_tokens=a.max_new_tokens,
         prompts=EVAL_PROMPTS[: a.num_prompts],
+        max_text_tokens=a.max_text_tokens,
     )
     result["model"] = a.model
     print(format_table(result))
@@ -277,6 +279,7 @@ def add_eval_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], No
     )
     e.add_argument("--max-new-tokens", type=int, default=24)
     e.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
+    e.add_argument("--max-text-tokens", type=int, default=None, help="score only this many text tokens")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
     e.add_argument("--json", default=None, help="write results here (and a PNG bar chart beside it)")
     e.set_defaults(func=cmd_eval)

@@ -1,0 +1,30 @@
+"""An fp8_e4m3 KV pool holds about twice the tokens of a bf16 one in the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.node_agent.bench_formats import _components, kv_capacity
+from pagoda.node_agent.kv_pool import KVPagePool
+
+
+@pytest.mark.parametrize("budget", [8 << 20, 64 << 20, 1 << 30])
+def test_fp8_capacity_vs_bf16(builtin_loaded, budget: int) -> None:
+    cfg = builtin_loaded.config
+    bf16 = kv_capacity(cfg, budget, 16, "bf16")
+    fp8 = kv_capacity(cfg, budget, 16, "fp8_e4m3")
+    assert fp8["tokens"] >= 1.95 * bf16["tokens"]
+    assert bf16["bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 + 4 / 16
+
+
+def test_capacity_is_what_real_pools_hold_in_the_budget(builtin_loaded) -> None:
+    """The figures are exact: real pools of that many pages fit the budget (tags, scales included)."""
+    cfg, budget = builtin_loaded.config, 8 << 20
+    for fmt, dt in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+        cap = kv_capacity(cfg, budget, 16, fmt)
+        pool = KVPagePool(cfg.num_layers, cap["pages"], 16, _components(cfg), dt, kv_format=fmt)
+        assert pool.capacity_tokens == cap["tokens"]
+        assert pool.total_bytes <= budget
+        one_more = KVPagePool(cfg.num_layers, cap["pages"] + 1, 16, _components(cfg), dt, kv_format=fmt)
+        assert one_more.total_bytes > budget

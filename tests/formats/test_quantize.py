@@ -1,0 +1,79 @@
+"""`pagoda quantize` checkpoints load directly and serve decode exactly like in-engine INT4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels.int4 import Int4Weight, quantize_int4
+from pagoda.node_agent.engine import LLMEngine
+from pagoda.node_agent.engine_config import EngineConfig
+from pagoda.node_agent.loader import load_model
+from pagoda.node_agent.models.llama import PhaseLinear
+from pagoda.node_agent.quantize import MANIFEST, quantize_checkpoint
+from pagoda.node_agent.sequence import SamplingParams
+
+from ..engine.prompts import CHAT_PROMPTS
+from .conftest import INT4_FP8
+
+W0 = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoint(tmp_path_factory, builtin_loaded, builtin_tokenizer):
+    out = tmp_path_factory.mktemp("int4")
+    report = quantize_checkpoint(
+        "builtin://smollm2-135m",
+        "int4",
+        out,
+        progress=False,
+        loaded=builtin_loaded,
+        tokenizer=builtin_tokenizer,
+    )
+    return out, report
+
+
+def test_checkpoint_files_and_shrink(int4_checkpoint) -> None:
+    out, report = int4_checkpoint
+    for name in ("config.json", "model.safetensors", MANIFEST, "tokenizer.json"):
+        assert (out / name).exists(), name
+    assert report.num_tensors == 30 * 7
+    assert report.linear_bytes_quant < 0.35 * report.linear_bytes_bf16
+    assert report.linear_bytes_quant < report.checkpoint_bytes
+
+
+def test_loads_prequantized_objects(int4_checkpoint, builtin_loaded) -> None:
+    out, _ = int4_checkpoint
+    loaded = load_model(str(out))
+    assert loaded.manifest["weights"] == "int4"
+    w = loaded.weights[W0]
+    assert isinstance(w, Int4Weight)
+    same = quantize_int4(builtin_loaded.weights[W0])  # the engine's own quantization of the source
+    assert torch.equal(w.packed, same.packed) and torch.equal(w.scales, same.scales)
+    assert torch.equal(loaded.weights["model.norm.weight"], builtin_loaded.weights["model.norm.weight"])
+
+
+def test_rule_own_format_as_stored_other_formats_dequantized(int4_checkpoint) -> None:
+    out, _ = int4_checkpoint
+    w = load_model(str(out)).weights[W0]
+    expect = w.dequantize()
+    lin = PhaseLinear(w, None, {"prefill": "bf16", "decode": "int4"}, torch.float32)
+    assert lin.by_phase["decode"].weight is w
+    assert torch.equal(lin.by_phase["prefill"].weight, expect)
+
+
+def _greedy(engine, prompts, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params, chat=True) for p in prompts]
+    final = engine.run_until_done()
+    return [final[i].token_ids for i in ids]
+
+
+@pytest.mark.slow
+def test_checkpoint_engine_matches_in_engine_int4(int4_checkpoint, int4_fp8_engine) -> None:
+    out, _ = int4_checkpoint
+    cfg = EngineConfig(model=str(out), dtype="float32", kv_memory=64 << 20, formats=INT4_FP8)
+    quantized = LLMEngine(cfg)
+    prompts = CHAT_PROMPTS[:2]
+    assert _greedy(quantized, prompts) == _greedy(int4_fp8_engine, prompts)
+    assert quantized.model.weight_bytes() == int4_fp8_engine.model.weight_bytes()
