@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -112,3 +114,31 @@ PoolMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_engine_with_preemption_and_prefix_sharing_never_aborts(make_engine):
+    """A randomized run on a tiny KV budget: staggered arrivals sharing cached prefixes, preemption."""
+    rng = random.Random(5)
+    eng = make_engine(kv_memory=10 << 20, max_num_seqs=8, max_num_batched_tokens=64)
+    shared = "Answer in one short sentence, as a helpful and careful assistant would: "
+    pending = [
+        shared + q for q in ("Why is the sea salty?", "What is a prime number?", "Who wrote Hamlet?")
+    ] * 3
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    final = {}
+    n = 0
+    while pending or eng.has_unfinished():
+        while pending and rng.random() < 0.5:
+            eng.add_request(pending.pop(), params, request_id=f"q{n}")
+            n += 1
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+        if not eng.has_unfinished() and pending:
+            eng.add_request(pending.pop(), params, request_id=f"q{n}")
+            n += 1
+    assert len(final) == 9 and all(o.finish_reason == "length" for o in final.values())
+    assert eng.scheduler.num_preemptions > 0 and eng.scheduler.prefix_hit_tokens > 0
+    c = eng.integrity.counters
+    assert c.checks > 0 and c.mismatches == 0 and c.requests_aborted == 0
+    eng.pool.check_idle()
