@@ -1,0 +1,27 @@
+"""The operator's pod command lines are accepted by the real `pagoda serve` parser (the agent contract)."""
+
+from __future__ import annotations
+
+import pytest
+from op_schema import admit, example
+from pagoda.node_agent.cli import build_parser
+from pagoda.operator import children
+from pagoda.operator.spec import parse
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+@pytest.mark.parametrize(
+    "spec",
+    [{}, {"routing": {"prefixCaching": False, "sessionAffinity": False}, "integrity": {"mode": "audit"}}],
+)
+def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
+    s = parse(admit(example("m", **spec))["spec"])
+    args = children.agent_args(s, role, "m", "ns")
+    ns = build_parser().parse_args(args)
+    assert ns.cmd == "serve" and ns.role == role
+    assert ns.integrity == s.integrity.mode
+    assert (ns.decode_weights, ns.decode_kv) == (s.decode.weight_format, s.decode.kv_cache_format)
+    assert (ns.prefill_weights, ns.prefill_kv) == (s.prefill.weight_format, s.prefill.kv_cache_format)
+    assert ns.no_prefix_caching == (not s.routing.prefix_caching)
+    if role == "router":
+        assert ns.prefill_endpoints.startswith("http://") and ns.decode_endpoints.startswith("http://")
