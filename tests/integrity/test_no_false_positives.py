@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -116,15 +117,16 @@ PoolMachine.TestCase.settings = settings(
 TestPoolMachine = PoolMachine.TestCase
 
 
+@pytest.mark.slow
 def test_engine_with_preemption_and_prefix_sharing_never_aborts(make_engine):
     """A randomized run on a tiny KV budget: staggered arrivals sharing cached prefixes, preemption."""
     rng = random.Random(5)
-    eng = make_engine(kv_memory=10 << 20, max_num_seqs=8, max_num_batched_tokens=64)
+    eng = make_engine(kv_memory=6 << 20, max_num_seqs=8, max_num_batched_tokens=64)
     shared = "Answer in one short sentence, as a helpful and careful assistant would: "
     pending = [
         shared + q for q in ("Why is the sea salty?", "What is a prime number?", "Who wrote Hamlet?")
     ] * 3
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     final = {}
     n = 0
     while pending or eng.has_unfinished():
