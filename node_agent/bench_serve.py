@@ -133,7 +133,8 @@ def bench_mode(a: argparse.Namespace, mode: str, url: str, model: str) -> list[d
         for c in a.concurrency:
             n = max(a.num_requests, c)
             prompts = workload(kind, n, tag=f"{mode[0]}{c}-")
-            asyncio.run(run_point(url, model, prompts[:1], 1, 2))  # warm: seeds the shared prefix too
+            warm = workload(kind, 1, tag=f"warm-{mode[0]}{c}-")  # seeds the shared preamble, not a prompt
+            asyncio.run(run_point(url, model, warm, 1, 2))
             r = asyncio.run(run_point(url, model, prompts, c, a.max_tokens))
             row = {"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": c, **r}
             rows.append(row)

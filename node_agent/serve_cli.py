@@ -203,7 +203,18 @@ def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) ->
         if x.startswith(("--role=", "--port=", "--kv-port=")):
             continue
         out.append(x)
-    return [sys.executable, "-P", "-m", "pagoda.node_agent.cli", *out, "--role", role, "--port", str(port), *extra]
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "pagoda.node_agent.cli",
+        *out,
+        "--role",
+        role,
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
