@@ -121,6 +121,7 @@ class LLMEngine:
         self.faults = make_faults(self, config.fault_injection)  # raises on use unless enabled
         self.stats = EngineStats()
         self._requests: dict[str, _Tracked] = {}
+        self._ready: list[RequestOutput] = []
         self.eos_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -283,7 +284,7 @@ class LLMEngine:
         return self._output(tr, finished=True)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._ready)
 
     @property
     def num_running(self) -> int:
@@ -297,7 +298,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns outputs of every request that progressed or ended."""
-        outputs = self._migrate_prefilled()
+        outputs, self._ready = self._ready, []  # requests that ended outside a step
+        outputs += self._migrate_prefilled()
         step = self.scheduler.schedule()
         if step is None:
             return outputs
@@ -415,9 +417,11 @@ class LLMEngine:
         tr = _Tracked(seq, Detokenizer(self.tokenizer))
         self._requests[rid] = tr
         self._check_stop(seq, payload.first_token)
-        if seq.finished:  # the sender should have finished it; honour the stop anyway
+        if seq.finished:  # the first token already ends it: reported by the next step()
             self.pool.release_all(refs)
             seq.block_table = []
+            self._ready.append(self._output(self._requests.pop(rid), finished=True))
+            self.stats.requests_finished += 1
         else:
             self.scheduler.running.append(seq)
         return rid
