@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from operator import attrgetter
 
 import torch
 
@@ -21,35 +20,17 @@ from pagoda.kernels.integrity import check_page_tags, find_mismatches
 from .kv_pool import KVPagePool, PageRef
 from .page_checksum import payload_checksums, pool_page_checksums
 from .sequence import Sequence
+from .step_batch import block_table_tensor
 
 log = logging.getLogger("pagoda.integrity")
-
-_page, _tag = attrgetter("page"), attrgetter("tag")
 
 
 def expected_tables(
     seqs: list[Sequence], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """[B, max_pages] pages and expected tags (0-padded) and per-sequence page counts.
-
-    Built from flat lists with one tensor per table: the host work that dominates the check's cost."""
-    counts = [len(s.block_table) for s in seqs]
-    width = max(1, max(counts))
-    pages: list[int] = []
-    tags: list[int] = []
-    for s, n in zip(seqs, counts, strict=True):
-        pages.extend(map(_page, s.block_table))
-        tags.extend(map(_tag, s.block_table))
-        if n < width:
-            pad = [0] * (width - n)
-            pages.extend(pad)
-            tags.extend(pad)
-    shape = (len(seqs), width)
-    return (
-        torch.tensor(pages, dtype=torch.int32).view(shape).to(device),
-        torch.tensor(tags, dtype=torch.int32).view(shape).to(device),
-        counts,
-    )
+    """[B, max_pages] pages and expected tags (0-padded) and per-sequence page counts."""
+    pages, tags = block_table_tensor(seqs, device)
+    return pages, tags, [len(s.block_table) for s in seqs]
 
 
 class IntegrityError(RuntimeError):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 
 from .kv_pool import KVPagePool
 from .sequence import Sequence
+
+_page, _tag = attrgetter("page"), attrgetter("tag")
 
 
 @dataclass
@@ -27,13 +30,20 @@ class StepBatch:
 
 
 def block_table_tensor(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, max_pages] physical pages and expected tags of each sequence's block table (0-padded)."""
+    """[B, max_pages] physical pages and expected tags of each sequence's block table (0-padded).
+
+    Built from flat lists, one tensor per table: per-row tensors cost more than the check itself."""
     width = max(1, max(len(s.block_table) for s in seqs))
-    pages = torch.zeros((len(seqs), width), dtype=torch.int32)
-    tags = torch.zeros((len(seqs), width), dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        n = len(s.block_table)
-        if n:
-            pages[i, :n] = torch.tensor([r.page for r in s.block_table], dtype=torch.int32)
-            tags[i, :n] = torch.tensor([r.tag for r in s.block_table], dtype=torch.int32)
-    return pages.to(device), tags.to(device)
+    pages: list[int] = []
+    tags: list[int] = []
+    for s in seqs:
+        pages.extend(map(_page, s.block_table))
+        tags.extend(map(_tag, s.block_table))
+        pad = [0] * (width - len(s.block_table))
+        pages.extend(pad)
+        tags.extend(pad)
+    shape = (len(seqs), width)
+    return (
+        torch.tensor(pages, dtype=torch.int32).view(shape).to(device),
+        torch.tensor(tags, dtype=torch.int32).view(shape).to(device),
+    )
