@@ -35,6 +35,15 @@ def prequantized_format(w: object) -> str | None:
     return "int4" if isinstance(w, Int4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
 
 
+def _to_device(v, device: torch.device):
+    """A tensor, or a fresh copy of a prequantized weight (never mutating the loaded one), on device."""
+    if isinstance(v, Int4Weight):
+        return Int4Weight.from_state({k: t.to(device) for k, t in v.state().items()}, v.meta())
+    if isinstance(v, Fp8Weight):
+        return Fp8Weight(v.weight.to(device), v.scale.to(device))
+    return v.to(device)
+
+
 class PhaseLinear:
     """A linear layer holding a weight per phase (shared when both phases use the same format)."""
 
@@ -195,7 +204,7 @@ class LlamaForCausalLM:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
-        w = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+        w = {k: _to_device(v, device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
         self.layers = [DecoderLayer(cfg, i, w, formats, dtype, backend) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)

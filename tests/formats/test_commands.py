@@ -30,6 +30,10 @@ def test_eval_command(no_reload, tmp_path, capsys) -> None:
         "3",
         "--num-prompts",
         "2",
+        "--max-text-tokens",
+        "48",
+        "--kv-memory",
+        "16MiB",
         "--json",
         str(out),
     ]

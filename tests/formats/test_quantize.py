@@ -73,7 +73,9 @@ def _greedy(engine, prompts, n=12):
 def test_checkpoint_engine_matches_in_engine_int4(int4_checkpoint, int4_fp8_engine) -> None:
     out, _ = int4_checkpoint
     cfg = EngineConfig(model=str(out), dtype="float32", kv_memory=64 << 20, formats=INT4_FP8)
-    quantized = LLMEngine(cfg)
+    loaded = load_model(str(out))
+    quantized = LLMEngine(cfg, loaded=loaded)
+    assert loaded.weights[W0].packed is not None  # the engine's CPU repacking left the load intact
     prompts = CHAT_PROMPTS[:2]
     assert _greedy(quantized, prompts) == _greedy(int4_fp8_engine, prompts)
     assert quantized.model.weight_bytes() == int4_fp8_engine.model.weight_bytes()
