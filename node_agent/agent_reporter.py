@@ -2,7 +2,7 @@
 
 On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
 Each report is a JSON merge patch of the status subresource touching only this pod's key, in the
-shape of docs/operator.md ("Agent contract"). Credentials: the pod's ServiceAccount when in a
+shape of the README ("Agent contract"). Credentials: the pod's ServiceAccount when in a
 cluster, else ``KUBECONFIG`` / ``~/.kube/config`` (server, token or client certificate, CA).
 """
 

@@ -1,6 +1,6 @@
 """Aggregation of the node agents' reports into per-pool figures and the mismatch-rate window.
 
-Agents patch ``status.agents.<pod>`` (shape in docs/operator.md). Everything here is pure:
+Agents patch ``status.agents.<pod>`` (shape in the README, "Agent contract"). Everything here is pure:
 the reconciler passes the current status, the live pod names and the clock.
 """
 
