@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from pagoda.kernels.dispatch import triton_available
 from pagoda.kernels.fp8 import FP8_DTYPE
 from pagoda.kernels.paged_attention import calibrate_kv_scales, write_kv

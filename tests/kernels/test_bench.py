@@ -1,6 +1,7 @@
 """Smoke tests for the kernel benchmark helpers (shapes and keys only, never timings)."""
 
 import torch
+
 from pagoda.kernels.bench_kernels import kv_bytes_per_token, kv_scale_granularity_report, run_kernel_bench
 
 

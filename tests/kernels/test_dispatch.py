@@ -2,6 +2,7 @@ import logging
 
 import pytest
 import torch
+
 from pagoda.kernels import dispatch
 from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats, select_backend
 from pagoda.kernels.integrity import check_page_tags

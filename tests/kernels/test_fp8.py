@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
+
 from pagoda.kernels.fp8 import (
     FP8_BF16_BIAS,
     FP8_DTYPE,

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from kernel_testing import DEVICE, needs_triton
+
 from pagoda.kernels.int4 import (
     Int4Weight,
     cpu_int4_mm,

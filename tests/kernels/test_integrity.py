@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE
+
 from pagoda.kernels.integrity import TAG_MAX, check_page_tags, find_mismatches, next_tag, next_tags
 
 

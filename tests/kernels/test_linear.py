@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
 
 

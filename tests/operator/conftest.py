@@ -12,6 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from op_cluster import Cluster  # noqa: E402
 from op_schema import load_crd  # noqa: E402
+
 from pagoda.operator.config import Config  # noqa: E402
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import kmock
 import kopf
+
 from pagoda.operator.config import Config
 from pagoda.operator.handlers import Memo, register
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 from op_schema import admit, example
+
 from pagoda.operator import children
 from pagoda.operator.config import Config
 from pagoda.operator.spec import parse

@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from op_schema import CHART, CRD_PATH, ROOT, admit, example, md_schema
+
 from pagoda.operator import spec as spec_mod
 
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))

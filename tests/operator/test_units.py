@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+
 from pagoda.operator import apply, formats, rollout
 from pagoda.operator.spec import parse
 from pagoda.operator.status import classify, pool_figures, window
