@@ -133,6 +133,6 @@ def make_linear_weight(
     if fmt == "fp8":
         return Fp8Linear(Fp8Weight.quantize(w), bias, backend)
     if fmt == "int4":
-        g = pick_group_size(w.shape[1]) if group_size is None else group_size
+        g = pick_group_size(w.shape[1], group_size or 128)  # the largest allowed group dividing K
         return Int4Linear(quantize_int4(w, g), dtype, bias, backend)
     raise ValueError(f"unknown weight format {fmt!r}; accepted formats: {', '.join(FORMATS)}")

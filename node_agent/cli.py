@@ -44,6 +44,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--int4-group-size",
+        type=int,
+        default=None,
+        help="INT4 group size (default: 128 where it divides K, else 64, else 32)",
+    )
     p.add_argument("--integrity", choices=["enforce", "audit", "off"], default="enforce")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
@@ -75,6 +81,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         integrity=a.integrity,
+        int4_group_size=getattr(a, "int4_group_size", None),
         enable_prefix_caching=not a.no_prefix_caching,
         fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,

@@ -97,7 +97,13 @@ class LLMEngine:
         if config.role in formats:  # a single-phase worker holds only its phase's weights
             formats = dict.fromkeys(formats, formats[config.role])
         self.model = LlamaForCausalLM(
-            loaded.config, loaded.weights, formats, self.dtype, self.device, backend=config.kernel_backend
+            loaded.config,
+            loaded.weights,
+            formats,
+            self.dtype,
+            self.device,
+            backend=config.kernel_backend,
+            int4_group_size=config.int4_group_size,
         )
         del loaded
         self.max_model_len = min(

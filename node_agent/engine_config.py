@@ -119,6 +119,7 @@ class EngineConfig:
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
+    int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
@@ -133,6 +134,8 @@ class EngineConfig:
             )
         if self.role not in ("both", "prefill", "decode"):
             raise ConfigError(f"role must be both, prefill or decode, got {self.role!r}")
+        if self.int4_group_size is not None and self.int4_group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"int4 group size must be 32, 64, 128 or 256, got {self.int4_group_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
         if self.max_num_seqs < 1:

@@ -54,6 +54,7 @@ class PhaseLinear:
         formats: dict[str, str],
         dtype: torch.dtype,
         backend: str | None = None,
+        group_size: int | None = None,
     ) -> None:
         self.by_phase: dict[str, LinearWeight] = {}
         made: dict[str, LinearWeight] = {}
@@ -65,7 +66,9 @@ class PhaseLinear:
             fmt = formats[phase]
             if fmt not in made:
                 src = weight if fmt == stored else dense
-                made[fmt] = make_linear_weight(src, fmt, dtype, bias=bias, backend=backend)
+                made[fmt] = make_linear_weight(
+                    src, fmt, dtype, bias=bias, backend=backend, group_size=group_size
+                )
             self.by_phase[phase] = made[fmt]
         self.out_features = weight.shape[0] if stored is None else weight.out_features
 
@@ -101,13 +104,16 @@ class DecoderLayer:
         formats: dict[str, str],
         dtype: torch.dtype,
         backend: str | None,
+        group_size: int | None = None,
     ) -> None:
         p = f"model.layers.{idx}."
         self.idx = idx
         self.cfg = cfg
 
         def lin(name: str) -> PhaseLinear:
-            return PhaseLinear(w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, backend)
+            return PhaseLinear(
+                w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, backend, group_size
+            )
 
         self.q_proj, self.k_proj, self.v_proj = (
             lin("self_attn.q_proj"),
@@ -200,13 +206,16 @@ class LlamaForCausalLM:
         device: torch.device,
         backend: str | None = None,
         head_format: str = "bf16",
+        int4_group_size: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         w = {k: _to_device(v, device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
-        self.layers = [DecoderLayer(cfg, i, w, formats, dtype, backend) for i in range(cfg.num_layers)]
+        self.layers = [
+            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size) for i in range(cfg.num_layers)
+        ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         self.lm_head = make_linear_weight(head, head_format, dtype, backend=backend)
