@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .model_cache import read_cache, write_cache
-from .model_config import ModelConfig, ModelLoadError, config_from_hf, family_of
+from .model_config import LINEAR_NAMES, NORM_NAMES, ModelConfig, ModelLoadError, config_from_hf, family_of
 
 log = logging.getLogger("pagoda.loader")
 
@@ -254,20 +254,7 @@ def _check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: st
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        need += [
-            p + n + ".weight"
-            for n in (
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-                "input_layernorm",
-                "post_attention_layernorm",
-            )
-        ]
+        need += [p + n + ".weight" for n in LINEAR_NAMES + NORM_NAMES]
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{where}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")

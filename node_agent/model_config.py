@@ -17,6 +17,19 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# Per-layer weights of a dense Llama-family block (HF names, without "model.layers.N." and ".weight")
+LINEAR_NAMES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+
+
 class ModelLoadError(ValueError):
     """A model source is missing, malformed or of an unsupported architecture."""
 

@@ -24,19 +24,11 @@ from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight, pick_group_size, quantize_int4
 
 from .loader import LoadedModel
+from .model_config import LINEAR_NAMES
 from .tokenizer import Tokenizer
 
 MANIFEST = "pagoda_quant.json"
 QUANT_FORMATS = ("int4", "fp8")
-LINEAR_NAMES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
