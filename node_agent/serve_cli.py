@@ -240,11 +240,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_disaggregated(a: argparse.Namespace) -> int:
     """Router on --port, prefill on --port+1, decode on --port+2 (its KV receiver on a free port)."""
     host = a.host
     p_port, d_port = a.port + 1, a.port + 2
     kv_port = a.kv_port or free_port(host)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a SIGTERM'd parent still stops its workers
     prefill = subprocess.Popen(child_args(a, "prefill", p_port, []))
     decode = subprocess.Popen(child_args(a, "decode", d_port, ["--kv-port", str(kv_port)]))
     procs = [prefill, decode]

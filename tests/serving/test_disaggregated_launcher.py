@@ -1,0 +1,49 @@
+"""`pagoda serve --disaggregated` starts router, prefill and decode workers, and a SIGTERM to it stops
+all of them (no orphaned workers)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from .live import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.timeout(300)]
+
+
+def test_sigterm_stops_every_worker():
+    port = free_port()
+    cmd = [sys.executable, "-P", "-m", "pagoda.node_agent.cli", "serve", "--disaggregated", "--port", str(port),
+           "--dtype", "float32", "--kv-memory", "16MiB", "--max-model-len", "256"]  # fmt: skip
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert parent.poll() is None, "the launcher exited before its router was ready"
+            time.sleep(1)
+        else:
+            pytest.fail("the disaggregated router never became ready")
+        children = psutil.Process(parent.pid).children(recursive=True)
+        assert len(children) >= 3  # router, prefill and decode workers
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"workers left running: {[p.pid for p in alive]}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for child in children:  # never leave workers behind, even when the test fails
+            if child.is_running():
+                child.kill()
