@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .fp8 import FP8_DTYPE
+from .paged_attention import _raw
 from .triton_common import target_programs
 
 
@@ -101,10 +102,6 @@ def _paged_decode_kernel(
     ml_rows = ml_ptr + b * stride_mb + h * stride_mh + split * stride_ms
     tl.store(ml_rows + offs_g * 2, m_i)
     tl.store(ml_rows + offs_g * 2 + 1, l_i)
-
-
-def _raw(t: Tensor) -> Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
 
 
 def paged_decode_attention_triton(

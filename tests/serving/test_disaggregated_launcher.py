@@ -6,11 +6,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import psutil
 import pytest
+
+from pagoda.node_agent.serve_cli import wait_ready
 
 from .live import free_port
 
@@ -24,17 +24,7 @@ def test_sigterm_stops_every_worker():
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     children: list[psutil.Process] = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert parent.poll() is None, "the launcher exited before its router was ready"
-            time.sleep(1)
-        else:
-            pytest.fail("the disaggregated router never became ready")
+        wait_ready(f"http://127.0.0.1:{port}", [parent], timeout=240)
         children = psutil.Process(parent.pid).children(recursive=True)
         assert len(children) >= 3  # router, prefill and decode workers
         parent.send_signal(signal.SIGTERM)
