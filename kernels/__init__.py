@@ -5,7 +5,8 @@ kernel; :func:`select_backend` picks one per call. Triton is imported lazily, on
 """
 
 from .dispatch import Backend, kernel_stats, reset_kernel_stats, select_backend
-from .fp8 import FP8_MAX, Fp8Weight, dequantize_fp8, fp8_linear, quantize_fp8, quantize_fp8_weight
+from .fp8 import Fp8Weight, fp8_linear
+from .fp8_format import FP8_MAX, dequantize_fp8, quantize_fp8, quantize_fp8_weight
 from .int4 import Int4Weight, dequantize_int4, int4_linear, pick_group_size, quantize_int4
 from .integrity import check_page_tags, find_mismatches, next_tag
 from .linear import LinearWeight, make_linear_weight

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from .dispatch import select_backend
-from .fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, amax_scale, quantize_fp8
+from .fp8 import Fp8Weight
+from .fp8_format import FP8_DTYPE, FP8_MAX, amax_scale, quantize_fp8
 from .int4 import pick_group_size, quantize_int4
 from .paged_attention import calibrate_kv_scales, paged_decode_attention, write_kv
 

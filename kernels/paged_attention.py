@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dispatch import resolve
-from .fp8 import FP8_BF16_BIAS, FP8_DTYPE, amax_scale, fp8_to_float_scaled_down, quantize_fp8
+from .fp8_format import (
+    FP8_BF16_BIAS,
+    FP8_DTYPE,
+    amax_scale,
+    fp8_to_float_scaled_down,
+    quantize_fp8,
+    raw_bytes,
+)
 
 KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE)
 # Measured on SmolLM2-135M K/V (calibrate on one text, serve another): headroom 1.0 clips ~0.1% of
@@ -49,11 +56,6 @@ def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
     return x.float()
 
 
-def _raw(t: Tensor) -> Tensor:
-    """A view that supports every indexing op (fp8 lacks some on CPU)."""
-    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
-
-
 # --------------------------------------------------------------------------------------- write
 
 
@@ -80,11 +82,11 @@ def write_kv(
 
 def _write_reference(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | None) -> None:
     page_size = cache.shape[1]
-    raw = _raw(cache)
+    raw = raw_bytes(cache)
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        raw[slot // page_size, slot % page_size] = _raw(_encode(x[t], cache.dtype, scale))
+        raw[slot // page_size, slot % page_size] = raw_bytes(_encode(x[t], cache.dtype, scale))
 
 
 def _write_vectorized(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | None) -> None:
@@ -92,8 +94,8 @@ def _write_vectorized(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | N
     keep = slots >= 0
     if not bool(keep.all()):
         slots, x = slots[keep], x[keep]
-    flat = _raw(cache).view(-1, cache.shape[2], cache.shape[3])
-    flat[slots] = _raw(_encode(x, cache.dtype, scale))
+    flat = raw_bytes(cache).view(-1, cache.shape[2], cache.shape[3])
+    flat[slots] = raw_bytes(_encode(x, cache.dtype, scale))
 
 
 # ------------------------------------------------------------------------------------- decode
@@ -196,7 +198,7 @@ def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) ->
     flat = tables.reshape(-1).long()
 
     def gather(cache: Tensor) -> Tensor:  # -> float32 [B, Hkv, span, D]
-        x = _raw(cache).index_select(0, flat)
+        x = raw_bytes(cache).index_select(0, flat)
         x = fp8_to_float_scaled_down(x) if cache.dtype == FP8_DTYPE else x.float()
         return x.view(bsz, span, hkv, d).transpose(1, 2)
 
@@ -316,10 +318,10 @@ def convert_pages(
     ):
         if be == "reference":
             for sp, dp in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
-                _raw(dst)[dp] = _raw(_convert(src[sp], dst.dtype, s_scale, d_scale))
+                raw_bytes(dst)[dp] = raw_bytes(_convert(src[sp], dst.dtype, s_scale, d_scale))
         else:
             vals = _convert(src[src_pages.long()], dst.dtype, s_scale, d_scale)
-            _raw(dst)[dst_pages.long()] = _raw(vals)
+            raw_bytes(dst)[dst_pages.long()] = raw_bytes(vals)
 
 
 def _convert(x: Tensor, dtype: torch.dtype, s_scale: Tensor | None, d_scale: Tensor | None) -> Tensor:

@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8 import FP8_DTYPE
-from .paged_attention import _raw
+from .fp8_format import FP8_DTYPE, raw_bytes
 from .triton_common import target_programs
 
 
@@ -135,7 +134,7 @@ def paged_decode_attention_triton(
     block_t = max(16, triton.next_power_of_2(page_size))
     acc = torch.empty(bsz, hkv, num_splits, block_g, block_d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hkv, num_splits, block_g, 2, dtype=torch.float32, device=q.device)
-    kc, vc = _raw(k_cache), _raw(v_cache)
+    kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
     ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
     tables = block_tables.to(torch.int32)
     _paged_decode_kernel[(bsz, hkv, num_splits)](
@@ -295,7 +294,7 @@ def paged_prefill_attention_triton(
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
     block_q = 16
     out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
-    kc, vc = _raw(k_cache), _raw(v_cache)
+    kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
     ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
     tables = block_tables.to(torch.int32)
     grid = (bsz, triton.cdiv(max(max_q_len, 1), block_q), hq)

@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .dispatch import triton_interpreting
-from .fp8 import quantize_activations
+from .fp8_format import quantize_activations
 
 
 @triton.jit

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import INTEGRITY_MODES, KV_FORMATS, POOLS, WEIGHT_FORMATS, Spec
+from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS, handoff_allowed
 
-# A prefill KV format may hand off to these decode KV formats (conversion happens on arrival).
-HANDOFFS = {("bf16", "bf16"), ("bf16", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")}
+from .spec import POOLS, Spec
 
 
 @dataclass(frozen=True)
@@ -37,11 +36,11 @@ def check(spec: Spec) -> list[Problem]:
                     f"{name}.weightFormat {pool.weight_format!r} is not one of {WEIGHT_FORMATS}",
                 )
             )
-        if pool.kv_cache_format not in KV_FORMATS:
+        if pool.kv_cache_format not in KV_CACHE_FORMATS:
             problems.append(
                 Problem(
                     "UnknownFormat",
-                    f"{name}.kvCacheFormat {pool.kv_cache_format!r} is not one of {KV_FORMATS}",
+                    f"{name}.kvCacheFormat {pool.kv_cache_format!r} is not one of {KV_CACHE_FORMATS}",
                 )
             )
         if pool.replicas < 0:
@@ -63,7 +62,7 @@ def check(spec: Spec) -> list[Problem]:
             )
         )
     handoff = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
-    if all(f in KV_FORMATS for f in handoff) and handoff not in HANDOFFS:
+    if all(f in KV_CACHE_FORMATS for f in handoff) and not handoff_allowed(*handoff):
         problems.append(
             Problem(
                 "IncompatibleHandoff",

@@ -5,16 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.vocabulary import PHASE_DEFAULTS, PHASES
+
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
 PLURAL = "modeldeployments"
 KIND = "ModelDeployment"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-WEIGHT_FORMATS = ("bf16", "fp8", "int4")
-KV_FORMATS = ("bf16", "fp8_e4m3")
-INTEGRITY_MODES = ("enforce", "audit", "off")
-POOLS = ("prefill", "decode")
+POOLS = PHASES  # one engine pool per phase
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,7 @@ class Pool:
 
 
 POOL_DEFAULTS = {
-    "prefill": {"weight_format": "fp8", "kv_cache_format": "bf16"},
-    "decode": {"weight_format": "int4", "kv_cache_format": "fp8_e4m3"},
+    pool: {"weight_format": d["weights"], "kv_cache_format": d["kv"]} for pool, d in PHASE_DEFAULTS.items()
 }
 
 

@@ -14,14 +14,14 @@ BUILTIN = "builtin://smollm2-135m"
 @pytest.fixture(scope="session")
 def builtin_loaded():
     """SmolLM2-135M-Instruct weights (float32, HF names) and config, from the shipped GGUF."""
-    from pagoda.node_agent.loader import load_model
+    from pagoda.node_agent.models.loader import load_model
 
     return load_model(BUILTIN)
 
 
 @pytest.fixture(scope="session")
 def builtin_tokenizer(builtin_loaded):
-    from pagoda.node_agent.tokenizer import Tokenizer
+    from pagoda.node_agent.models.tokenizer import Tokenizer
 
     return Tokenizer(builtin_loaded.tokenizer_dir, builtin_loaded.gguf_file)
 
@@ -29,8 +29,8 @@ def builtin_tokenizer(builtin_loaded):
 @pytest.fixture(scope="session")
 def make_engine(builtin_loaded, builtin_tokenizer):
     """Factory for engines over the shared built-in weights (no reload): make_engine(**EngineConfig)."""
-    from pagoda.node_agent.engine import LLMEngine
-    from pagoda.node_agent.engine_config import EngineConfig, PhaseFormats
+    from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+    from pagoda.node_agent.engine.llm_engine import LLMEngine
 
     def factory(**kw):
         kw.setdefault("dtype", "float32")
@@ -54,6 +54,6 @@ def hf_reference():
     """transformers' own model and tokenizer on the same GGUF, float32 (the correctness oracle)."""
     import torch
 
-    from pagoda.node_agent.bench_cli import load_hf_reference
+    from pagoda.node_agent.bench.decode import load_hf_reference
 
     return load_hf_reference(BUILTIN, torch.float32)

@@ -11,9 +11,8 @@ from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
-
-from ..model_config import ModelConfig
-from ..step_batch import StepBatch
+from pagoda.node_agent.models.batch import StepBatch
+from pagoda.node_agent.models.config import ModelConfig
 
 PHASES = ("prefill", "decode")
 
@@ -159,8 +158,8 @@ class DecoderLayer:
     ) -> torch.Tensor:
         cfg = self.cfg
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
-        cache = b.pool.layers[self.idx]
-        scales = b.pool.scales[self.idx] if b.pool.scales is not None else {}
+        cache = b.kv.layer_cache(self.idx)
+        scales = b.kv.layer_scales(self.idx)
         ks, vs = scales.get("k"), scales.get("v")
         write_kv(cache["k"], cache["v"], k, v, b.slot_mapping, ks, vs, backend=b.kernel_backend)
         scale = cfg.head_dim**-0.5

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from pagoda.node_agent.engine_config import ConfigError, EngineConfig, PhaseFormats, parse_bytes
-from pagoda.node_agent.loader import load_model
-from pagoda.node_agent.model_config import ModelLoadError
-from pagoda.node_agent.sequence import RequestError, SamplingParams
+from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseFormats, parse_bytes
+from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
+from pagoda.node_agent.models.config import ModelLoadError
+from pagoda.node_agent.models.loader import load_model
 
 
 def test_empty_prompt(engine):
@@ -115,7 +115,7 @@ def test_cli_reports_errors_with_exit_code_2():
         [
             sys.executable,
             "-m",
-            "pagoda.node_agent.cli",
+            "pagoda.node_agent.cli.main",
             "generate",
             "--model",
             "builtin://nope",

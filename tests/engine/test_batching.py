@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.sequence import SamplingParams
+from pagoda.node_agent.engine.sequence import SamplingParams
 
 from .prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 
@@ -70,7 +70,7 @@ def test_small_prefill_chunks_equal(make_engine, prompts, reference):
 @pytest.mark.slow
 def test_preemption_under_tiny_kv_budget_keeps_output(make_engine, prompts, reference):
     # 8 sequences of ~50-60 tokens need ~30 pages; give the pool 12 pages so decode must preempt.
-    from pagoda.node_agent.kv_pool import KVPagePool
+    from pagoda.node_agent.engine.kv_pool import KVPagePool
 
     probe = make_engine(kv_memory=1 << 20)
     per_page = KVPagePool.bytes_per_page(

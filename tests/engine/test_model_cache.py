@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.node_agent import loader, model_cache
+from pagoda.node_agent.models import cache as model_cache
+from pagoda.node_agent.models import loader
 
 
 @pytest.mark.slow

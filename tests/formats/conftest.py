@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.engine_config import PhaseFormats
+from pagoda.node_agent.engine.config import PhaseFormats
 
 # INT4 weights in both phases (so a prequantized checkpoint can be compared token for token) and
 # FP8 decode KV behind a bf16 prefill pool: the migration path runs on every request.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.node_agent.bench_formats import _components, kv_capacity
-from pagoda.node_agent.kv_pool import KVPagePool
+from pagoda.node_agent.bench.formats import _components, kv_capacity
+from pagoda.node_agent.engine.kv_pool import KVPagePool
 
 
 @pytest.mark.parametrize("budget", [8 << 20, 64 << 20, 1 << 30])

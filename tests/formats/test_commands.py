@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from pagoda.node_agent.cli import main
+from pagoda.node_agent.cli.main import main
 
 
 @pytest.fixture
 def no_reload(monkeypatch, builtin_loaded, builtin_tokenizer):
-    import pagoda.node_agent.loader as loader
-    import pagoda.node_agent.tokenizer as tokenizer
+    import pagoda.node_agent.models.loader as loader
+    import pagoda.node_agent.models.tokenizer as tokenizer
 
     monkeypatch.setattr(loader, "load_model", lambda source: builtin_loaded)
     monkeypatch.setattr(tokenizer, "Tokenizer", lambda *a, **k: builtin_tokenizer)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.cli import main
-from pagoda.node_agent.engine_config import ConfigError, EngineConfig, PhaseFormats
+from pagoda.node_agent.cli.main import main
+from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseFormats
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_cli_flag_errors_exit_2(argv: list[str], message: str, capsys) -> None:
 
 
 def test_cli_invalid_combination_exits_2_before_loading(capsys, monkeypatch) -> None:
-    import pagoda.node_agent.loader as loader
+    import pagoda.node_agent.models.loader as loader
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     argv = ["generate", "--prompt", "x", "--prefill-kv", "fp8_e4m3", "--decode-kv", "bf16"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels.paged_attention import write_kv
-from pagoda.node_agent.kv_transfer import allocate_pages, extract_pages, migrate
-from pagoda.node_agent.scheduler import ScheduledStep
-from pagoda.node_agent.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.handoff import allocate_pages, extract_pages, migrate
+from pagoda.node_agent.engine.scheduler import ScheduledStep
+from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 
 TEXT = "Pages of a key-value cache move from the prefill pool to the decode pool, converted on the way."
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.engine_config import ConfigError, EngineConfig, PhaseFormats
+from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseFormats
 
 INT4_DECODE = PhaseFormats("bf16", "bf16", "int4", "bf16")
 

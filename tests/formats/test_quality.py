@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.evaluate import EVAL_TEXT, greedy_agreement, greedy_tokens, kl_top1, perplexity
+from pagoda.node_agent.bench.evaluate import EVAL_TEXT, greedy_agreement, greedy_tokens, kl_top1, perplexity
 
 from ..engine.prompts import CHAT_PROMPTS
 

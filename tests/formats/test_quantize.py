@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from pagoda.kernels.int4 import Int4Weight, quantize_int4
-from pagoda.node_agent.engine import LLMEngine
-from pagoda.node_agent.engine_config import EngineConfig
-from pagoda.node_agent.loader import load_model
+from pagoda.node_agent.engine.config import EngineConfig
+from pagoda.node_agent.engine.llm_engine import LLMEngine
+from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models.llama import PhaseLinear
-from pagoda.node_agent.quantize import MANIFEST, quantize_checkpoint
-from pagoda.node_agent.sequence import SamplingParams
+from pagoda.node_agent.models.loader import load_model
+from pagoda.node_agent.models.quantize import MANIFEST, quantize_checkpoint
 
 from ..engine.prompts import CHAT_PROMPTS
 from .conftest import INT4_FP8

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pagoda.node_agent.fault_injection import FaultInjectionError
+from pagoda.node_agent.engine.fault_injection import FaultInjectionError
 
 from .engine_helpers import PARAMS, PROMPTS, guard_reads, run_all
 

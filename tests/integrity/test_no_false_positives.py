@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagoda.node_agent.integrity import TagTracker
-from pagoda.node_agent.kv_pool import OutOfPages
-from pagoda.node_agent.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.integrity import TagTracker
+from pagoda.node_agent.engine.kv_pool import OutOfPages
+from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 
 from .pool_helpers import small_pool
 

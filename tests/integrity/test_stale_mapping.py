@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from pagoda.node_agent.fault_injection import flip_expected_tag, make_stale
-from pagoda.node_agent.integrity import TagTracker, release_owned
-from pagoda.node_agent.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.fault_injection import flip_expected_tag, make_stale
+from pagoda.node_agent.engine.integrity import TagTracker, release_owned
+from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 
 from .pool_helpers import random_sequences, small_pool
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from pagoda.kernels.dispatch import triton_available
-from pagoda.node_agent.fault_injection import make_stale
-from pagoda.node_agent.integrity import TagTracker, release_owned
+from pagoda.node_agent.engine.fault_injection import make_stale
+from pagoda.node_agent.engine.integrity import TagTracker, release_owned
 
 from .pool_helpers import random_sequences, small_pool
 

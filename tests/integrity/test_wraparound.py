@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pagoda.kernels.integrity import TAG_MAX
-from pagoda.node_agent.integrity import TagTracker
-from pagoda.node_agent.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.integrity import TagTracker
+from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 
 from .engine_helpers import run_all
 from .pool_helpers import small_pool

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagoda.kernels.dispatch import triton_available
-from pagoda.kernels.fp8 import FP8_DTYPE
+from pagoda.kernels.fp8_format import FP8_DTYPE
 from pagoda.kernels.paged_attention import calibrate_kv_scales, write_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -2,14 +2,12 @@ import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
 
-from pagoda.kernels.fp8 import (
+from pagoda.kernels.fp8 import Fp8Weight, fp8_linear, fp8_linear_scaled_mm
+from pagoda.kernels.fp8_format import (
     FP8_BF16_BIAS,
     FP8_DTYPE,
     FP8_MAX,
-    Fp8Weight,
     dequantize_fp8,
-    fp8_linear,
-    fp8_linear_scaled_mm,
     fp8_to_float_scaled_down,
     quantize_fp8,
     quantize_fp8_weight,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, KV_DTYPES, make_paged_kv, needs_triton
 
-from pagoda.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 from pagoda.kernels.paged_attention import (
     calibrate_kv_scales,
     convert_pages,

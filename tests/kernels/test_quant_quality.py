@@ -7,7 +7,8 @@ regression in rounding, scaling or packing fails here.
 import pytest
 import torch
 
-from pagoda.kernels.fp8 import fp8_linear, fp8_linear_scaled_mm, quantize_fp8_weight
+from pagoda.kernels.fp8 import fp8_linear, fp8_linear_scaled_mm
+from pagoda.kernels.fp8_format import quantize_fp8_weight
 from pagoda.kernels.int4 import int4_linear, quantize_int4
 
 

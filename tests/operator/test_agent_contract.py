@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from op_schema import admit, example
 
-from pagoda.node_agent.cli import build_parser
+from pagoda.node_agent.cli.main import build_parser
 from pagoda.operator import children
 from pagoda.operator.spec import parse
 

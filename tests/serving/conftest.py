@@ -26,7 +26,7 @@ class Stack:
 
 
 def offline_greedy(engine, prompts: list[str], chat: list[dict]) -> tuple[dict[str, str], str]:
-    from pagoda.node_agent.sequence import SamplingParams
+    from pagoda.node_agent.engine.sequence import SamplingParams
 
     p = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     ids = {engine.add_request(x, p): x for x in prompts}
@@ -41,7 +41,7 @@ def stack(make_engine):
     """A live ``pagoda serve`` (role both) over a small KV budget: 24 MiB (~540 tokens, float32)."""
     import argparse
 
-    from pagoda.node_agent.serve_cli import add_serve_args, build_app
+    from pagoda.node_agent.cli.serve import add_serve_args, build_app
 
     engine = make_engine(kv_memory=24 << 20, max_num_seqs=16, max_model_len=512)
     offline, offline_chat = offline_greedy(engine, PROMPTS, CHAT)

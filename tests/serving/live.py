@@ -9,7 +9,7 @@ import time
 import httpx
 import uvicorn
 
-from pagoda.node_agent.metrics import metric_sum, parse_metrics
+from pagoda.node_agent.serving.metrics import metric_sum, parse_metrics
 
 
 def free_port() -> int:

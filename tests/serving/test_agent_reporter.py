@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagoda.node_agent.agent_reporter import AgentReporter, KubeAuth, ReporterConfig
+from pagoda.node_agent.agent.reporter import AgentReporter, KubeAuth, ReporterConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "operator"))
 

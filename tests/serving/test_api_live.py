@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pagoda.node_agent.metrics import metric_sum
+from pagoda.node_agent.serving.metrics import metric_sum
 
 from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
 from .live import metrics, wait_idle
@@ -196,7 +196,7 @@ def test_queue_full_answers_429_with_retry_after(stack) -> None:
 def test_an_integrity_abort_is_an_error_never_text(stack) -> None:
     """A page's tag changes under a running request (simulated stale mapping): the engine fails the
     request closed, and the API returns an error, not partial text."""
-    from pagoda.node_agent.kv_pool import PageRef
+    from pagoda.node_agent.engine.kv_pool import PageRef
 
     eng = stack.engine
     original = eng.integrity.check

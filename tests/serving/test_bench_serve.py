@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from pagoda.node_agent.bench_serve import percentile, run_point, workload
-from pagoda.node_agent.cli import build_parser
+from pagoda.node_agent.bench.serve import percentile, run_point, workload
+from pagoda.node_agent.cli.main import build_parser
 
 from .conftest import MODEL
 

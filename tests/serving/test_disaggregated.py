@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from pagoda.node_agent.metrics import metric_sum
+from pagoda.node_agent.serving.metrics import metric_sum
 
 from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
 from .live import free_port, metrics
@@ -28,7 +28,7 @@ def spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
         sys.executable,
         "-P",
         "-m",
-        "pagoda.node_agent.cli",
+        "pagoda.node_agent.cli.main",
         "serve",
         "--role",
         role,

@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from pagoda.node_agent.serve_cli import wait_ready
+from pagoda.node_agent.cli.serve import wait_ready
 
 from .live import free_port
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.timeout(300)]
 
 def test_sigterm_stops_every_worker():
     port = free_port()
-    cmd = [sys.executable, "-P", "-m", "pagoda.node_agent.cli", "serve", "--disaggregated", "--port", str(port),
+    cmd = [sys.executable, "-P", "-m", "pagoda.node_agent.cli.main", "serve", "--disaggregated", "--port", str(port),
            "--dtype", "float32", "--kv-memory", "16MiB", "--max-model-len", "256"]  # fmt: skip
     parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     children: list[psutil.Process] = []

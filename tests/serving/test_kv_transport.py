@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from pagoda.node_agent.kv_transfer import KVPayload
-from pagoda.node_agent.kv_transport import (
+from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.serving.kv_transport import (
     PAGE,
     TcpKVReceiver,
     TcpKVSender,
@@ -53,7 +53,7 @@ async def roundtrip(p: KVPayload, corrupt_page: int | None = None, refuse: bool 
                 f = bytes(f)
             writer.write(f)
         await writer.drain()
-        from pagoda.node_agent.kv_transport import read_frame
+        from pagoda.node_agent.serving.kv_transport import read_frame
 
         ftype, body = await asyncio.wait_for(read_frame(reader), 10)
         writer.close()

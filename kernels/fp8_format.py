@@ -1,0 +1,62 @@
+"""The FP8 e4m3 number format: constants, scaling, (de)quantization and raw-byte views.
+
+Shared by the FP8 GEMM, the paged-attention kernels and their Triton paths; imports no kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Smallest scale we ever use: keeps all-zero rows/heads finite (0 / tiny = 0).
+SCALE_FLOOR = 1e-12
+
+
+# e4m3 bits placed into a bf16 (sign, then the 7 exponent+mantissa bits shifted left by 4) read
+# as exactly value * 2**-120, subnormals included: a cheap vectorized decode (torch's own
+# float8 -> float32 cast is scalar on CPU, ~3x slower).
+FP8_BF16_BIAS = 2.0**120
+
+
+def fp8_to_float_scaled_down(raw: Tensor) -> Tensor:
+    """uint8 e4m3 bits -> float32 ``value * 2**-120`` (multiply by FP8_BF16_BIAS, or fold it)."""
+    i = raw.to(torch.int16)
+    return (((i & 0x80) << 8) | ((i & 0x7F) << 4)).view(torch.bfloat16).float()
+
+
+def quantize_fp8(x: Tensor, scale: Tensor | float) -> Tensor:
+    """``x / scale`` clamped to +-448 and cast to float8_e4m3fn (``scale`` broadcastable)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(q: Tensor, scale: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``q * scale`` in ``dtype`` (the product is formed in float32)."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=q.device)
+    return (q.float() * scale).to(dtype)
+
+
+def amax_scale(amax: Tensor, headroom: float = 1.0) -> Tensor:
+    """The e4m3 scale that maps ``amax * headroom`` to 448 (float32, floored)."""
+    return (amax.float() * headroom / FP8_MAX).clamp_(min=SCALE_FLOOR)
+
+
+def quantize_fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-output-channel FP8: ``w [N, K]`` -> (``w_fp8 [N, K]``, ``scale [N]`` float32)."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    scale = amax_scale(w.detach().abs().amax(dim=1))
+    return quantize_fp8(w.detach(), scale[:, None]), scale
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token FP8 activations: ``x [M, K]`` -> (``xq [M, K]``, ``scale [M, 1]``)."""
+    scale = amax_scale(x.abs().amax(dim=1, keepdim=True))
+    return quantize_fp8(x, scale), scale.contiguous()
+
+
+def raw_bytes(t: Tensor) -> Tensor:
+    """A view that supports every indexing op (fp8 lacks some on CPU)."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t

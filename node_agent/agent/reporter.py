@@ -1,0 +1,229 @@
+"""The agent reporter: patch ``status.agents.<pod>`` of this pod's ModelDeployment every interval.
+
+On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
+Each report is a JSON merge patch of the status subresource touching only this pod's key, in the
+shape of the README ("Agent contract"). Credentials: the pod's ServiceAccount when in a
+cluster, else ``KUBECONFIG`` / ``~/.kube/config`` (server, token or client certificate, CA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import pathlib
+import ssl
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from pagoda.node_agent.serving.metrics import EngineSnapshot
+
+log = logging.getLogger("pagoda.reporter")
+
+SA_DIR = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount")
+API = "/apis/pagoda.dev/v1alpha1/namespaces/{ns}/modeldeployments/{name}/status"
+
+
+@dataclass
+class ReporterConfig:
+    md_name: str
+    namespace: str
+    pod: str
+    pool: str
+    node: str = ""
+    interval_s: float = 10.0
+
+    @classmethod
+    def from_env(
+        cls, pool: str, interval: float | None = None, env: dict[str, str] | None = None
+    ) -> ReporterConfig | None:
+        """The reporter's settings from the pod's environment, or None when not in a deployment."""
+        env = dict(os.environ) if env is None else env
+        name, pod = env.get("PAGODA_MD_NAME"), env.get("PAGODA_POD_NAME")
+        if not name or not pod:
+            return None
+        ns = env.get("PAGODA_MD_NAMESPACE") or _sa_namespace() or "default"
+        every = interval if interval is not None else float(env.get("PAGODA_REPORT_INTERVAL_S") or 10)
+        return cls(name, ns, pod, env.get("PAGODA_POOL") or pool, env.get("PAGODA_NODE_NAME", ""), every)
+
+    @property
+    def path(self) -> str:
+        return API.format(ns=quote(self.namespace), name=quote(self.md_name))
+
+
+def _sa_namespace() -> str | None:
+    with contextlib.suppress(OSError):
+        return (SA_DIR / "namespace").read_text().strip()
+    return None
+
+
+@dataclass
+class KubeAuth:
+    server: str
+    headers: dict[str, str]
+    verify: Any = True
+    cert: Any = None
+
+    @classmethod
+    def discover(cls) -> KubeAuth:
+        """In-cluster ServiceAccount first, then the kubeconfig's current context."""
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        token_file = SA_DIR / "token"
+        if host and port and token_file.exists():
+            ca = SA_DIR / "ca.crt"
+            return cls(
+                f"https://{host}:{port}",
+                {"Authorization": f"Bearer {token_file.read_text().strip()}"},
+                str(ca) if ca.exists() else True,
+            )
+        return cls.from_kubeconfig(os.environ.get("KUBECONFIG") or str(pathlib.Path.home() / ".kube/config"))
+
+    @classmethod
+    def from_kubeconfig(cls, path: str) -> KubeAuth:
+        import yaml
+
+        cfg = yaml.safe_load(pathlib.Path(path.split(os.pathsep)[0]).read_text())
+        ctx_name = cfg.get("current-context")
+        ctx = next(
+            (c["context"] for c in cfg.get("contexts", []) if c["name"] == ctx_name),
+            (cfg.get("contexts") or [{"context": {}}])[0]["context"],
+        )
+        cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == ctx.get("cluster", c["name"]))
+        user = next((u["user"] for u in cfg.get("users", []) if u["name"] == ctx.get("user")), {})
+        headers = {"Authorization": f"Bearer {user['token']}"} if user.get("token") else {}
+        verify: Any = True
+        if cluster.get("insecure-skip-tls-verify"):
+            verify = False
+        elif cluster.get("certificate-authority"):
+            verify = cluster["certificate-authority"]
+        elif cluster.get("certificate-authority-data"):
+            verify = _data_file(cluster["certificate-authority-data"])
+        cert = None
+        crt = user.get("client-certificate") or (
+            _data_file(user["client-certificate-data"]) if user.get("client-certificate-data") else None
+        )
+        key = user.get("client-key") or (
+            _data_file(user["client-key-data"]) if user.get("client-key-data") else None
+        )
+        if crt and key:
+            cert = (crt, key)
+        return cls(cluster["server"].rstrip("/"), headers, verify, cert)
+
+
+def _data_file(b64: str) -> str:
+    f = tempfile.NamedTemporaryFile("wb", suffix=".pem", delete=False)  # noqa: SIM115
+    f.write(base64.b64decode(b64))
+    f.close()
+    return f.name
+
+
+def build_report(cfg: ReporterConfig, snap: EngineSnapshot, tokens_per_s: float, when: dt.datetime) -> dict:
+    """One agent report in the contract's shape (camelCase; counters cumulative since start)."""
+    f = snap.formats
+    return {
+        "pool": cfg.pool,
+        "node": cfg.node,
+        "ready": snap.ready,
+        "formats": {
+            "prefillWeights": f.get("prefill_weights", ""),
+            "prefillKv": f.get("prefill_kv", ""),
+            "decodeWeights": f.get("decode_weights", ""),
+            "decodeKv": f.get("decode_kv", ""),
+        },
+        "weightBytes": snap.weight_bytes,
+        "kvCapacityTokens": snap.kv_capacity_tokens,
+        "kvUsedTokens": snap.kv_used_tokens,
+        "tokensPerSecond": round(tokens_per_s, 3),
+        "runningRequests": snap.running,
+        "waitingRequests": snap.waiting,
+        "integrity": {
+            "mode": snap.integrity_mode,
+            "checks": snap.integrity.get("checks", 0),
+            "pagesChecked": snap.integrity.get("pages_checked", 0),
+            "mismatches": snap.integrity.get("mismatches", 0),
+            "requestsAborted": snap.integrity.get("requests_aborted", 0),
+        },
+        "lastReportTime": when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+class AgentReporter:
+    """An asyncio task that sends the report every ``interval_s`` (failures are logged and retried)."""
+
+    def __init__(
+        self, cfg: ReporterConfig, snapshot: Callable[[], EngineSnapshot], auth: KubeAuth | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.snapshot = snapshot
+        self.auth = auth
+        self.sent = 0
+        self.failures = 0
+        self._task: asyncio.Task | None = None
+        self._prev: tuple[float, int] | None = None
+
+    async def start(self) -> None:
+        self.auth = self.auth or KubeAuth.discover()
+        self._task = asyncio.create_task(self._loop(), name="pagoda-agent-reporter")
+        log.info("reporting to %s every %.1fs as %s", self.cfg.path, self.cfg.interval_s, self.cfg.pod)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _rate(self, snap: EngineSnapshot) -> float:
+        now = time.monotonic()
+        prev, self._prev = self._prev, (now, snap.generation_tokens)
+        if prev is None or now <= prev[0]:
+            return 0.0
+        return max(0, snap.generation_tokens - prev[1]) / (now - prev[0])
+
+    async def report_once(self, client: httpx.AsyncClient) -> None:
+        snap = self.snapshot()
+        body = {
+            "status": {
+                "agents": {
+                    self.cfg.pod: build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
+                }
+            }
+        }
+        assert self.auth is not None
+        resp = await client.patch(
+            self.auth.server + self.cfg.path,
+            content=json.dumps(body),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        if resp.status_code >= 300:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        self.sent += 1
+
+    async def _loop(self) -> None:
+        assert self.auth is not None
+        verify = self.auth.verify
+        if isinstance(verify, str) or self.auth.cert:
+            ctx = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+            if verify is False:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            if self.auth.cert:
+                ctx.load_cert_chain(*self.auth.cert)
+            verify = ctx
+        async with httpx.AsyncClient(headers=self.auth.headers, verify=verify, timeout=10) as client:
+            while True:
+                try:
+                    await self.report_once(client)
+                except Exception as exc:  # keep reporting; the operator marks us stale meanwhile
+                    self.failures += 1
+                    log.warning("agent report failed: %s", exc)
+                await asyncio.sleep(self.cfg.interval_s)

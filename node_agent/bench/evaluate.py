@@ -1,0 +1,285 @@
+"""``pagoda eval``: quality of decode weight/KV formats against the float32 reference.
+
+Every format entry is ``DECODE_WEIGHTS/DECODE_KV`` (prefill stays dense) or a full ``PW/PKV/DW/DKV``.
+Each is compared with the reference (float32 dense weights, float32 KV) on the same tokens:
+
+* ``mean_kl``: mean over positions of KL(reference || format) of the next-token distributions of
+  ``EVAL_TEXT``, scored through the decode weights and the decode KV pool (``engine.score``);
+* ``top1``: fraction of positions whose most likely next token is the reference's;
+* ``ppl``: perplexity of ``EVAL_TEXT`` under the format (the reference's is reported beside it);
+* ``greedy_prefix``: mean fraction of the ``max_new_tokens`` greedy tokens generated identically
+  before the first divergence, over ``EVAL_PROMPTS`` (chat template); ``greedy_identical``: the
+  fraction of prompts whose greedy continuation is fully identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+
+EVAL_TEXT = (
+    "Every spring the river below the old mill rises with melted snow from the northern hills. "
+    "The miller's daughter keeps a notebook of the water level: she marks the stone steps at dawn, "
+    "writes the date beside each mark, and compares the pages year after year. In a dry year the "
+    "water barely touches the fourth step; in a wet one it floods the yard and the geese swim "
+    "where the cart usually stands.\n\n"
+    "A sorting algorithm arranges items in order. Insertion sort walks through a list and moves "
+    "each element left until the element before it is smaller:\n\n"
+    "def insertion_sort(items):\n"
+    "    for i in range(1, len(items)):\n"
+    "        key = items[i]\n"
+    "        j = i - 1\n"
+    "        while j >= 0 and items[j] > key:\n"
+    "            items[j + 1] = items[j]\n"
+    "            j -= 1\n"
+    "        items[j + 1] = key\n"
+    "    return items\n\n"
+    "It takes quadratic time in the worst case but is fast on lists that are almost sorted.\n\n"
+    "Question: How many days are there in a leap year?\n"
+    "Answer: A leap year has 366 days; February gets a twenty-ninth day.\n\n"
+    "The human heart has four chambers: two atria receive blood and two ventricles pump it out. "
+    "The right side sends blood to the lungs, where it picks up oxygen; the left side pushes it "
+    "through the rest of the body. A resting adult heart beats about sixty to one hundred times a "
+    "minute. Tokyo is the capital of Japan, Canberra is the capital of Australia, and Ottawa is "
+    "the capital of Canada. El tren sale a las ocho; le train part à huit heures."
+)
+
+EVAL_PROMPTS = [
+    "What is the capital of Italy?",
+    "Give two reasons why people keep cats as pets.",
+    "Write one sentence about the ocean at night.",
+    "How do plants make their food?",
+    "Name three planets of the solar system.",
+    "What should I pack for a rainy day hike?",
+]
+
+DEFAULT_FORMATS = "bf16/bf16,bf16/fp8,int4/bf16,int4/fp8,fp8/bf16"
+
+
+@dataclass
+class EvalRow:
+    """Quality of one format set against the reference."""
+
+    formats: str
+    phase_formats: dict
+    mean_kl: float
+    top1: float
+    ppl: float
+    greedy_prefix: float
+    greedy_identical: float
+    seconds: float
+
+
+def parse_format_list(text: str) -> list[str]:
+    """'int4/fp8,bf16/bf16' -> entries, each validated (ConfigError on a bad one)."""
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        raise argparse.ArgumentTypeError("no formats given")
+    for e in entries:
+        try:
+            PhaseFormats.parse(e)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return entries
+
+
+def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(ref || other) over positions, top-1 agreement) of two [T, V] logit sets."""
+    lp_ref = F.log_softmax(ref_logits.double(), dim=-1)
+    lp = F.log_softmax(logits.double(), dim=-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp(min=0.0)
+    top1 = (ref_logits.argmax(-1) == logits.argmax(-1)).double().mean()
+    return float(kl.mean()), float(top1)
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp(mean NLL) of ids[1:] under the logits predicted at ids[:-1]."""
+    target = torch.tensor(ids[1:], dtype=torch.long)
+    nll = F.cross_entropy(logits[:-1].double(), target)
+    return math.exp(float(nll))
+
+
+def greedy_tokens(engine, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of chat prompts, batched, a fixed length (EOS ignored)."""
+    from pagoda.node_agent.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params, chat=True) for p in prompts]
+    final = engine.run_until_done()
+    return [final[i].token_ids for i in ids]
+
+
+def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
+    """(mean identical-prefix fraction, fraction of fully identical continuations)."""
+    fracs, same = [], 0
+    for a, b in zip(ref, other, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        fracs.append(n / max(len(a), 1))
+        same += a == b
+    return sum(fracs) / len(fracs), same / len(ref)
+
+
+EngineFactory = Callable[..., object]
+
+
+def default_factory(model: str) -> EngineFactory:
+    """Engines over one load of ``model`` (weights and tokenizer shared)."""
+    from pagoda.node_agent.engine.llm_engine import LLMEngine
+    from pagoda.node_agent.models.loader import load_model
+    from pagoda.node_agent.models.tokenizer import Tokenizer
+
+    loaded = load_model(model)
+    tok = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+
+    def make(**kw):
+        return LLMEngine(EngineConfig(model=model, **kw), loaded=loaded, tokenizer=tok)
+
+    return make
+
+
+def run_eval(
+    make_engine: EngineFactory,
+    entries: list[str],
+    dtype: str = "auto",
+    kv_memory: int = 64 << 20,
+    max_new_tokens: int = 24,
+    text: str = EVAL_TEXT,
+    prompts: list[str] | None = None,
+    log: Callable[[str], None] = print,
+    max_text_tokens: int | None = None,
+) -> dict:
+    """Score every entry against the float32 reference; returns the JSON-ready result."""
+    prompts = EVAL_PROMPTS if prompts is None else prompts
+    t0 = time.perf_counter()
+    ref = make_engine(dtype="float32", formats=PhaseFormats.reference(), kv_memory=kv_memory)
+    ids = ref.tokenize(text)[:max_text_tokens]
+    ref_logits = ref.score(ids, phase="decode")
+    ref_greedy = greedy_tokens(ref, prompts, max_new_tokens)
+    ref_ppl = perplexity(ref_logits, ids)
+    del ref
+    log(f"reference (float32 weights + KV): ppl {ref_ppl:.3f} on {len(ids)} tokens")
+    rows: list[EvalRow] = []
+    for entry in entries:
+        t1 = time.perf_counter()
+        formats = PhaseFormats.parse(entry)
+        eng = make_engine(dtype=dtype, formats=formats, kv_memory=kv_memory)
+        logits = eng.score(ids, phase="decode")
+        kl, top1 = kl_top1(ref_logits, logits)
+        gp, gi = greedy_agreement(ref_greedy, greedy_tokens(eng, prompts, max_new_tokens))
+        row = EvalRow(
+            entry,
+            formats.as_dict(),
+            kl,
+            top1,
+            perplexity(logits, ids),
+            gp,
+            gi,
+            time.perf_counter() - t1,
+        )
+        rows.append(row)
+        del eng
+        gc.collect()
+    return {
+        "bench": "eval",
+        "reference": {"weights": "float32", "kv": "float32", "ppl": ref_ppl},
+        "dtype": dtype,
+        "text_tokens": len(ids),
+        "num_prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "rows": [asdict(r) for r in rows],
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def format_table(result: dict) -> str:
+    """The printed table."""
+    lines = [
+        f"{'decode W/KV':<14}{'mean KL':>10}{'top-1':>8}{'ppl':>9}{'greedy prefix':>15}{'identical':>11}",
+        f"{'reference':<14}{0.0:>10.5f}{1.0:>8.3f}{result['reference']['ppl']:>9.3f}{1.0:>15.3f}{1.0:>11.3f}",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['formats']:<14}{r['mean_kl']:>10.5f}{r['top1']:>8.3f}{r['ppl']:>9.3f}"
+            f"{r['greedy_prefix']:>15.3f}{r['greedy_identical']:>11.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_eval(path, result: dict) -> None:
+    """Bar charts: mean KL, top-1 agreement, greedy prefix agreement per format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    names = [r["formats"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.8))
+    for ax, key, title in zip(
+        axes,
+        ("mean_kl", "top1", "greedy_prefix"),
+        ("mean KL vs float32 (lower is better)", "top-1 agreement", "greedy prefix agreement"),
+        strict=True,
+    ):
+        ax.bar(names, [r[key] for r in rows], color="tab:blue")
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("decode weights/KV formats vs the float32 reference", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.decode import write_result
+    from pagoda.node_agent.engine.config import parse_bytes
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    entries = a.formats
+    if a.prefill_weights or a.prefill_kv:  # the prefill flags apply to every short entry
+        pre = f"{a.prefill_weights or 'bf16'}/{a.prefill_kv or 'bf16'}"
+        entries = [e if e.count("/") == 3 else f"{pre}/{e}" for e in entries]
+        for e in entries:
+            PhaseFormats.parse(e)
+    result = run_eval(
+        default_factory(a.model),
+        entries,
+        dtype=a.dtype,
+        kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else 64 << 20,
+        max_new_tokens=a.max_new_tokens,
+        prompts=EVAL_PROMPTS[: a.num_prompts],
+        max_text_tokens=a.max_text_tokens,
+    )
+    result["model"] = a.model
+    print(format_table(result))
+    write_result(a.json, result, lambda p: plot_eval(p, result))
+    return 0
+
+
+def add_eval_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register ``pagoda eval``."""
+    e = sub.add_parser("eval", help="KL / top-1 / perplexity / greedy agreement of formats vs float32")
+    add_engine_args(e)
+    e.add_argument(
+        "--formats",
+        type=parse_format_list,
+        default=parse_format_list(DEFAULT_FORMATS),
+        help=f"comma-separated DECODE_WEIGHTS/DECODE_KV (or PW/PKV/DW/DKV); default {DEFAULT_FORMATS}",
+    )
+    e.add_argument("--max-new-tokens", type=int, default=24)
+    e.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
+    e.add_argument("--max-text-tokens", type=int, default=None, help="score only this many text tokens")
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
+    e.add_argument("--json", default=None, help="write results here (and a PNG bar chart beside it)")
+    e.set_defaults(func=cmd_eval)

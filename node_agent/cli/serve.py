@@ -1,0 +1,311 @@
+"""``pagoda serve`` (roles both, prefill, decode, router; ``--disaggregated``) and ``pagoda bench serve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+from pagoda.vocabulary import SERVE_ROLES
+
+log = logging.getLogger("pagoda.serve")
+
+DEFAULT_PORT = 8000
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Serving flags (the engine flags are added by the caller)."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--role",
+        choices=SERVE_ROLES,
+        default="both",
+        help="both: one process holds both phases (default); prefill/decode: a disaggregated "
+        "worker; router: the OpenAI API in front of prefill and decode workers",
+    )
+    p.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="start a router, one prefill and one decode worker locally (ports P, P+1, P+2)",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: from --model)")
+    p.add_argument(
+        "--tenant-header",
+        default="X-Pagoda-Tenant",
+        help="request header naming the tenant (salts the prefix cache), e.g. Authorization",
+    )
+    p.add_argument(
+        "--tenant-secret",
+        default=None,
+        help="HMAC key for tenant salts (default: $PAGODA_TENANT_SECRET, else random)",
+    )
+    p.add_argument(
+        "--shared-cache-scope",
+        default=None,
+        help="the one cache scope tenants may share via X-Pagoda-Cache-Scope",
+    )
+    p.add_argument("--no-session-affinity", action="store_true")
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs before 429"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--prefill-endpoints", default="", help="router: prefill worker URLs, comma-separated")
+    p.add_argument("--decode-endpoints", default="", help="router: decode worker URLs, comma-separated")
+    p.add_argument(
+        "--kv-port",
+        type=int,
+        default=None,
+        help="decode worker: TCP port receiving KV pages (default: --port + 1000)",
+    )
+    p.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="decode worker: address prefill workers connect to (default: this host's address)",
+    )
+    p.add_argument(
+        "--report-interval",
+        type=float,
+        default=None,
+        help="agent report period in seconds (default: $PAGODA_REPORT_INTERVAL_S or 10)",
+    )
+    p.add_argument("--log-level", default="warning")
+
+
+def served_names(a: argparse.Namespace) -> list[str]:
+    """API model ids: the served name (or the source's last part) and the source itself."""
+    src = a.model
+    short = a.served_model_name or src.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    return list(dict.fromkeys([short, src]))
+
+
+def pool_label(role: str) -> str:
+    return os.environ.get("PAGODA_POOL") or role
+
+
+def build_app(a: argparse.Namespace, engine=None):
+    """The FastAPI app for ``a.role`` (``engine``: an LLMEngine to reuse instead of loading one)."""
+    from pagoda.node_agent.serving.api_server import ApiSettings, create_app
+    from pagoda.node_agent.serving.metrics import ServeMetrics
+    from pagoda.node_agent.serving.tenancy import TenantPolicy
+
+    tenancy = TenantPolicy.from_settings(a.tenant_header, a.tenant_secret, a.shared_cache_scope)
+    if a.tensor_parallel != 1:
+        raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
+    if a.role == "router":
+        from pagoda.node_agent.serving.router import Router, RouterSettings
+
+        metrics = ServeMetrics(pool_label("router"))
+        router = Router(
+            RouterSettings(
+                prefill=[u for u in a.prefill_endpoints.split(",") if u.strip()],
+                decode=[u for u in a.decode_endpoints.split(",") if u.strip()],
+                session_affinity=not a.no_session_affinity,
+                prefix_aware=not a.no_prefix_caching,
+            ),
+            metrics,
+        )
+        settings = ApiSettings(
+            served_names(a),
+            tenancy,
+            metrics,
+            a.max_body_bytes,
+            on_startup=[router.start],
+            on_shutdown=[router.stop],
+        )
+        return create_app(router, settings)
+
+    from pagoda.node_agent.cli.main import engine_config_from_args
+    from pagoda.node_agent.engine.llm_engine import LLMEngine
+    from pagoda.node_agent.serving.async_engine import AsyncEngine
+    from pagoda.node_agent.serving.metrics import ServeMetrics
+
+    if engine is None:
+        cfg = engine_config_from_args(a)
+        cfg.role = a.role
+        engine = LLMEngine(cfg)
+    holder: dict = {}
+    metrics = ServeMetrics(pool_label(a.role), snapshot=lambda: holder["engine"].snapshot())
+    aeng = AsyncEngine(engine, metrics, max_queue=a.max_queue, model_name=a.model)
+    holder["engine"] = aeng
+    settings = ApiSettings(served_names(a), tenancy, metrics, a.max_body_bytes)
+    settings.on_startup.append(_async(aeng.start))
+    settings.on_shutdown.append(_async(aeng.stop))
+    _add_reporter(a, settings, aeng)
+    if a.role == "both":
+        from pagoda.node_agent.serving.api_server import create_app
+        from pagoda.node_agent.serving.local_backend import LocalBackend
+
+        return create_app(LocalBackend(aeng), settings)
+    from pagoda.node_agent.serving.disagg_worker import DisaggWorker
+
+    worker = DisaggWorker(
+        a.role,
+        aeng,
+        metrics,
+        kv_port=a.kv_port if a.kv_port is not None else a.port + 1000,
+        kv_host=a.host,
+        advertise_host=a.kv_advertise_host,
+    )
+    settings.extra_routes.append(worker.routes)
+    settings.on_startup.append(worker.start)
+    settings.on_shutdown.append(worker.stop)
+    return create_app(None, settings)
+
+
+def _async(fn: Callable[[], object]):
+    async def hook() -> None:
+        fn()
+
+    return hook
+
+
+def _add_reporter(a: argparse.Namespace, settings, aeng) -> None:
+    from pagoda.node_agent.agent.reporter import AgentReporter, ReporterConfig
+
+    cfg = ReporterConfig.from_env(pool=pool_label(a.role), interval=a.report_interval)
+    if cfg is None:
+        return
+    reporter = AgentReporter(cfg, aeng.snapshot)
+    settings.on_startup.append(reporter.start)
+    settings.on_shutdown.append(reporter.stop)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    if a.disaggregated:
+        return run_disaggregated(a)
+    app = build_app(a)
+    print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) -> list[str]:
+    """The command line of one local worker of ``--disaggregated``: our own flags, another role/port."""
+    argv = [x for x in sys.argv[1:] if x != "--disaggregated"]
+    out: list[str] = []
+    skip = False
+    for i, x in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if x in ("--role", "--port", "--kv-port") and i + 1 < len(argv):
+            skip = True
+            continue
+        if x.startswith(("--role=", "--port=", "--kv-port=")):
+            continue
+        out.append(x)
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "pagoda.node_agent.cli.main",
+        *out,
+        "--role",
+        role,
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_disaggregated(a: argparse.Namespace) -> int:
+    """Router on --port, prefill on --port+1, decode on --port+2 (its KV receiver on a free port)."""
+    host = a.host
+    p_port, d_port = a.port + 1, a.port + 2
+    kv_port = a.kv_port or free_port(host)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a SIGTERM'd parent still stops its workers
+    prefill = subprocess.Popen(child_args(a, "prefill", p_port, []))
+    decode = subprocess.Popen(child_args(a, "decode", d_port, ["--kv-port", str(kv_port)]))
+    procs = [prefill, decode]
+    try:
+        wait_ready(f"http://{host}:{p_port}", procs)
+        wait_ready(f"http://{host}:{d_port}", procs)
+        router = subprocess.Popen(
+            child_args(
+                a,
+                "router",
+                a.port,
+                [
+                    "--prefill-endpoints",
+                    f"http://{host}:{p_port}",
+                    "--decode-endpoints",
+                    f"http://{host}:{d_port}",
+                ],
+            )
+        )
+        procs.append(router)
+        print(
+            f"pagoda serve --disaggregated: router http://{host}:{a.port}, prefill :{p_port}, "
+            f"decode :{d_port} (KV :{kv_port})",
+            flush=True,
+        )
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def register_serve(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``pagoda serve`` to the CLI."""
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible server (single process, a disaggregated role, or both)"
+    )
+    add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def register_bench_serve(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``pagoda bench serve`` under the existing ``bench`` command."""
+    from pagoda.node_agent.bench.serve import add_bench_serve_parser
+
+    bench = sub.choices["bench"]
+    bench_sub = next(x for x in bench._actions if isinstance(x, argparse._SubParsersAction))
+    add_bench_serve_parser(bench_sub, add_engine_args)

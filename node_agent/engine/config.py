@@ -1,0 +1,162 @@
+"""Engine configuration: model, precision, KV budget, batching limits, per-phase formats."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from pagoda.vocabulary import (
+    ENGINE_ROLES,
+    INTEGRITY_MODES,
+    KV_CACHE_FORMATS,
+    KV_FORMAT_ALIASES,
+    PHASE_DEFAULTS,
+    WEIGHT_FORMATS,
+    handoff_allowed,
+)
+
+
+class ConfigError(ValueError):
+    """An engine setting that cannot work, found before anything is loaded."""
+
+
+@dataclass
+class PhaseFormats:
+    """Numeric formats per phase: weights and KV cache for prefill and for decode."""
+
+    prefill_weights: str = PHASE_DEFAULTS["prefill"]["weights"]
+    prefill_kv: str = PHASE_DEFAULTS["prefill"]["kv"]
+    decode_weights: str = PHASE_DEFAULTS["decode"]["weights"]
+    decode_kv: str = PHASE_DEFAULTS["decode"]["kv"]
+
+    @classmethod
+    def reference(cls) -> PhaseFormats:
+        """Dense weights and KV in the compute dtype for both phases (the transformers-comparable path)."""
+        return cls("bf16", "bf16", "bf16", "bf16")
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseFormats:
+        """'int4/fp8' (decode weights/KV, prefill stays high precision) or 'pw/pkv/dw/dkv'."""
+        parts = [p.strip() for p in text.split("/")]
+        kv = KV_FORMAT_ALIASES
+        if len(parts) == 2:
+            f = cls("bf16", "bf16", parts[0], kv.get(parts[1], parts[1]))
+        elif len(parts) == 4:
+            f = cls(parts[0], kv.get(parts[1], parts[1]), parts[2], kv.get(parts[3], parts[3]))
+        else:
+            raise ConfigError(f"cannot read formats from {text!r}: use WEIGHTS/KV or PW/PKV/DW/DKV")
+        f.validate()
+        return f
+
+    def validate(self) -> None:
+        for name in ("prefill_weights", "decode_weights"):
+            if getattr(self, name) not in WEIGHT_FORMATS:
+                raise ConfigError(
+                    f"{name.replace('_', '-')} must be one of {', '.join(WEIGHT_FORMATS)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        for name in ("prefill_kv", "decode_kv"):
+            if getattr(self, name) not in KV_CACHE_FORMATS:
+                raise ConfigError(
+                    f"{name.replace('_', '-')} must be one of {', '.join(KV_CACHE_FORMATS)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if not handoff_allowed(self.prefill_kv, self.decode_kv):
+            raise ConfigError(
+                "prefill-kv fp8_e4m3 with decode-kv bf16 would widen lossy FP8 pages at "
+                "handoff: use fp8_e4m3 for both, or bf16 prefill KV"
+            )
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "prefill_weights": self.prefill_weights,
+            "prefill_kv": self.prefill_kv,
+            "decode_weights": self.decode_weights,
+            "decode_kv": self.decode_kv,
+        }
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB' / '2GB' / 1048576 -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ConfigError(f"cannot read a byte size from {text!r} (e.g. 512MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    model: str = "builtin://smollm2-135m"
+    dtype: str = "auto"  # float32 | bfloat16 | auto (bf16 on CUDA, float32 on CPU)
+    device: str = "auto"
+    page_size: int = 16
+    kv_memory: int | None = None  # bytes for the KV pool(s); None -> kv_memory_fraction
+    kv_memory_fraction: float = 0.9  # of free device memory after weights (CUDA); CPU default below
+    cpu_kv_default: int = 1 << 30
+    prefill_kv_fraction: float = 0.25  # of the KV budget for the prefill pool when its format differs
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None -> the model's context length
+    enable_prefix_caching: bool = True
+    formats: PhaseFormats = field(default_factory=PhaseFormats)
+    integrity: str = "enforce"
+    fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
+    int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
+    role: str = "both"  # both | prefill | decode: which phases this worker runs
+    kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.formats.validate()
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.integrity not in INTEGRITY_MODES:
+            raise ConfigError(
+                f"integrity must be one of {', '.join(INTEGRITY_MODES)}, got {self.integrity!r}"
+            )
+        if self.role not in ENGINE_ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
+        if self.int4_group_size is not None and self.int4_group_size not in (32, 64, 128, 256):
+            raise ConfigError(f"int4 group size must be 32, 64, 128 or 256, got {self.int4_group_size}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size must be a power of two, got {self.page_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.page_size:
+            raise ConfigError("max_num_batched_tokens must be at least one page")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ConfigError("kv_memory_fraction must be in (0, 1]")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

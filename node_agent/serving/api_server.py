@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health, metrics.
+
+``create_app`` builds the app over a Backend: the local engine (``--role both``) or the router
+(``--role router``). Every accepted request ends with a result, a final SSE chunk and ``[DONE]``,
+or an explicit error; a client that disconnects has its requests aborted (their pages freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from pagoda.node_agent.serving.async_engine import RequestFailed
+from pagoda.node_agent.serving.backend import Backend, GenRequest, Handle, StreamChunk
+from pagoda.node_agent.serving.metrics import ServeMetrics
+from pagoda.node_agent.serving.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    new_id,
+    now,
+    parse_body,
+    sse,
+    usage,
+)
+from pagoda.node_agent.serving.tenancy import TenantPolicy
+
+log = logging.getLogger("pagoda.api")
+
+SESSION_HEADER = "x-session-affinity"
+
+
+@dataclass
+class ApiSettings:
+    """What the API layer needs to know besides its backend."""
+
+    model_names: list[str]  # the first is reported by /v1/models; all are accepted
+    tenancy: TenantPolicy
+    metrics: ServeMetrics
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 16
+    default_chat_max_tokens: int = 256
+    extra_routes: list[Callable[[FastAPI], None]] = field(default_factory=list)
+    on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
+    """The app; ``backend`` None serves only health/metrics and the extra routes (prefill/decode pods)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for hook in settings.on_startup:
+            await hook()
+        try:
+            yield
+        finally:
+            for hook in settings.on_shutdown:
+                with contextlib.suppress(Exception):
+                    await hook()
+
+    app = FastAPI(title="pagoda", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.backend = backend
+    metrics = settings.metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if exc.status == 429:
+            metrics.outcome("rejected")
+        elif 400 <= exc.status < 500:
+            metrics.outcome("invalid")
+        return error_response(exc)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    for add in settings.extra_routes:
+        add(app)
+
+    if backend is None:
+        return app
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        detail = backend.ready_detail()
+        ok = backend.ready
+        return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": settings.model_names[0], "object": "model", "created": now(), "owned_by": "pagoda"}
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(await read_body(request, settings.max_body_bytes), CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        check_model(req.model, settings.model_names)
+        max_tokens = req.max_tokens or settings.default_max_tokens
+        salt = settings.tenancy.salt(request.headers)
+        session = request.headers.get(SESSION_HEADER)
+        gens = [
+            GenRequest(p, req.sampling(max_tokens, i * req.n + j), False, salt, session)
+            for i, p in enumerate(req.prompts())
+            for j in range(req.n)
+        ]
+        return await respond(request, backend, gens, req, kind="text_completion", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse_body(await read_body(request, settings.max_body_bytes), ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        check_model(req.model, settings.model_names)
+        max_tokens = req.requested_max_tokens() or settings.default_chat_max_tokens
+        salt = settings.tenancy.salt(request.headers)
+        session = request.headers.get(SESSION_HEADER)
+        msgs = req.chat_messages()
+        gens = [GenRequest(msgs, req.sampling(max_tokens, j), True, salt, session) for j in range(req.n)]
+        return await respond(request, backend, gens, req, kind="chat.completion", chat=True)
+
+    return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than ``limit`` bytes with 413 (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(
+            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(model: str, names: list[str]) -> None:
+    if model not in names:
+        raise ApiError(
+            404,
+            f"model: the model {model!r} does not exist; available: {names[0]!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def open_all(backend: Backend, gens: list[GenRequest]) -> list[Handle]:
+    """Open every choice, or none: a failure aborts the ones already opened."""
+    handles: list[Handle] = []
+    try:
+        for g in gens:
+            handles.append(await backend.open(g))
+    except BaseException:
+        for h in handles:
+            h.abort()
+        raise
+    return handles
+
+
+async def respond(
+    request: Request, backend: Backend, gens: list[GenRequest], req: Any, kind: str, chat: bool
+) -> Response:
+    handles = await open_all(backend, gens)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    model = req.model
+    if req.stream:
+        return StreamingResponse(
+            stream_events(handles, rid, model, chat, req.include_usage(), req.n),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return await complete(request, handles, rid, model, kind, chat, req.n)
+
+
+async def collect(handle: Handle) -> tuple[str, StreamChunk]:
+    text: list[str] = []
+    last: StreamChunk | None = None
+    async for chunk in handle:
+        text.append(chunk.delta)
+        last = chunk
+    if last is None:
+        raise RequestFailed("the request ended without output")
+    return "".join(text), last
+
+
+async def complete(
+    request: Request, handles: list[Handle], rid: str, model: str, kind: str, chat: bool, n: int
+) -> Response:
+    """Wait for every choice; a client disconnect aborts them all."""
+    work = asyncio.ensure_future(asyncio.gather(*(collect(h) for h in handles)))
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        for h in handles:
+            h.abort()
+        return Response(status_code=499)
+    try:
+        results = work.result()
+    except RequestFailed as exc:
+        for h in handles:
+            h.abort()
+        raise ApiError(
+            500, f"the request failed: {exc}", code="request_failed", type_="server_error"
+        ) from exc
+    choices = []
+    for i, (text, last) in enumerate(results):
+        if chat:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": last.finish_reason,
+                    "logprobs": None,
+                }
+            )
+        else:
+            choices.append({"index": i, "text": text, "finish_reason": last.finish_reason, "logprobs": None})
+    body = {
+        "id": rid,
+        "object": kind,
+        "created": now(),
+        "model": model,
+        "choices": choices,
+        "usage": total_usage([last for _, last in results], n),
+    }
+    return JSONResponse(body)
+
+
+def total_usage(lasts: list[StreamChunk], n: int) -> dict[str, Any]:
+    """Usage over the choices: each prompt counts once however many choices (``n``) it has."""
+    firsts = lasts[:: max(1, n)]
+    return usage(
+        sum(c.num_prompt_tokens for c in firsts),
+        sum(c.num_tokens for c in lasts),
+        sum(c.num_cached_tokens for c in firsts),
+    )
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def stream_events(
+    handles: list[Handle], rid: str, model: str, chat: bool, include_usage: bool, n: int
+) -> AsyncIterator[bytes]:
+    """SSE chunks of every choice, interleaved, then usage (if asked) and ``[DONE]``; an error event
+    ends the stream when a choice fails. Closing the generator (client gone) aborts them all."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    merged: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, h: Handle) -> None:
+        try:
+            async for c in h:
+                await merged.put((i, c))
+            await merged.put((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # forwarded to the consumer
+            await merged.put((i, exc))
+
+    def chunk(i: int, delta: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if delta:
+                d["content"] = delta
+            choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": i, "text": delta or "", "finish_reason": reason, "logprobs": None}
+        return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice]}
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    open_ = len(handles)
+    last: dict[int, StreamChunk] = {}
+    failed = False
+    try:
+        if chat:
+            for i in range(len(handles)):
+                yield sse(chunk(i, None, None, role=True))
+        while open_:
+            i, item = await merged.get()
+            if item is None:
+                open_ -= 1
+                continue
+            if isinstance(item, BaseException):
+                failed = True
+                err = ApiError(
+                    500, f"the request failed: {item}", code="request_failed", type_="server_error"
+                )
+                if not isinstance(item, RequestFailed | ApiError):
+                    log.exception("stream failed", exc_info=item)
+                if isinstance(item, ApiError):
+                    err = item
+                yield sse(err.body())
+                return
+            last[i] = item
+            if item.delta or item.finished:
+                yield sse(chunk(i, item.delta, item.finish_reason if item.finished else None))
+        if include_usage:
+            lasts = [last[i] for i in sorted(last)]
+            yield sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": now(),
+                    "model": model,
+                    "choices": [],
+                    "usage": total_usage(lasts, n),
+                }
+            )
+        yield sse("[DONE]")
+    finally:
+        for t in tasks:
+            t.cancel()
+        if failed or open_:
+            for h in handles:
+                h.abort()

@@ -1,0 +1,370 @@
+"""The engine on a background thread, with one asyncio queue per request.
+
+The engine is not thread-safe: only the loop thread touches it. Submissions and aborts travel to
+it through a command queue; outputs travel back to each request's asyncio queue with
+``call_soon_threadsafe``. Every accepted request ends with a finished output or an exception in
+its queue (nothing is lost), including when the engine step itself fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
+from pagoda.node_agent.serving.metrics import EngineSnapshot, KVPoolState, ServeMetrics
+
+log = logging.getLogger("pagoda.async_engine")
+
+SNAPSHOT_EVERY_S = 0.05
+
+
+class QueueFull(RuntimeError):
+    """Too many requests in flight; the caller should answer 429 with Retry-After."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error (integrity abort, engine failure): never shown as text."""
+
+
+@dataclass
+class _Live:
+    """Loop-thread bookkeeping of one in-flight request."""
+
+    rid: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    first: float | None = None
+    last: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class _Command:
+    kind: str  # "call" (engine method that adds a request) | "abort"
+    rid: str
+    method: str = ""
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    live: _Live | None = None
+    done: concurrent.futures.Future | None = None
+
+
+class RequestStream:
+    """Outputs of one request, as an async iterator; ``aclose`` aborts it if unfinished."""
+
+    def __init__(self, owner: AsyncEngine, live: _Live) -> None:
+        self.owner = owner
+        self.request_id = live.rid
+        self._queue = live.queue
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finished:
+                self.finished = True
+                if item.error is not None or item.finish_reason == "error":
+                    raise RequestFailed(item.error or "the request failed")
+            yield item
+
+    async def final(self):
+        """Wait for the finished output."""
+        last = None
+        async for out in self:
+            last = out
+        return last
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` on its own thread; async submit/stream/abort for the server."""
+
+    def __init__(
+        self, engine: Any, metrics: ServeMetrics | None = None, max_queue: int = 256, model_name: str = ""
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_inflight = engine.config.max_num_seqs + max_queue
+        self.model_name = model_name or engine.config.model
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._dead: str | None = None
+        self._snapshot = EngineSnapshot()
+        self._snap_at = 0.0
+        self.generated_tokens = 0
+        wb = engine.model.weight_bytes()
+        self._weight_bytes = int(wb["total"] if isinstance(wb, dict) else wb)
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> AsyncEngine:
+        self._take_snapshot()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10) -> None:
+        self._stop.set()
+        self._cmds.put(_Command("wake", ""))
+        self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def num_inflight(self) -> int:
+        return self._inflight
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    # ------------------------------------------------------------------ API (event-loop side)
+
+    async def submit(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        cache_salt: str = "",
+        request_id: str | None = None,
+        **kw: Any,
+    ) -> RequestStream:
+        """Queue a request; raises RequestError (bad input), QueueFull or EngineDead."""
+        kwargs = {"request_id": None, "chat": chat, "cache_salt": cache_salt, **kw}
+        return await self._call("add_request", (prompt, params), kwargs, request_id)
+
+    async def submit_prefilled(
+        self, payload: Any, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Continue a request whose prompt KV arrived from a prefill worker."""
+        return await self._call("add_prefilled", (payload, params), {"request_id": None}, request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Command("abort", request_id))
+
+    async def _call(self, method: str, args: tuple, kwargs: dict[str, Any], rid: str | None) -> RequestStream:
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDead(self._dead or "the engine loop is not running")
+        with self._lock:
+            if self._inflight >= self.max_inflight:
+                raise QueueFull(f"{self._inflight} requests in flight (limit {self.max_inflight})")
+            self._inflight += 1
+        rid = rid or uuid.uuid4().hex
+        kwargs["request_id"] = rid
+        loop = asyncio.get_running_loop()
+        live = _Live(rid, loop, asyncio.Queue(), time.perf_counter())
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(_Command("call", rid, method, args, kwargs, live, done))
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            if not done.done() or done.exception() is None:
+                self.abort(rid)  # cancelled while queued: make sure it does not run unseen
+            raise
+        return RequestStream(self, live)
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished():
+                    self._step()
+                self._maybe_snapshot()
+        except BaseException as exc:  # pragma: no cover - a bug in the loop itself
+            log.exception("engine loop died")
+            self._dead = f"engine loop died: {exc}"
+            self._fail_all(self._dead)
+        finally:
+            self._dead = self._dead or "the engine loop stopped"
+            self._fail_all("the server is shutting down")
+            self._take_snapshot()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=SNAPSHOT_EVERY_S) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: _Command) -> None:
+        if cmd.kind == "abort":
+            live = self._live.pop(cmd.rid, None)
+            if live is not None:
+                out = self.engine.abort(cmd.rid, "client disconnected")
+                self._finish(live, "abort")
+                if out is not None:
+                    self._deliver(live, out)
+            return
+        if cmd.kind != "call" or cmd.live is None or cmd.done is None:
+            return
+        try:
+            getattr(self.engine, cmd.method)(*cmd.args, **cmd.kwargs)
+        except Exception as exc:
+            self._release()
+            if self.metrics:
+                self.metrics.outcome("invalid" if isinstance(exc, (RequestError, ValueError)) else "error")
+            cmd.done.set_exception(exc)
+            return
+        self._live[cmd.rid] = cmd.live
+        cmd.done.set_result(cmd.rid)
+
+    def _step(self) -> None:
+        steps = self.engine.stats.steps
+        try:
+            outs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in flight")
+            for rid in list(self._live):
+                try:
+                    self.engine.abort(rid, f"engine step failed: {exc}")
+                except Exception:
+                    log.exception("abort after a failed step")
+            self._fail_all(f"engine step failed: {exc}")
+            return
+        now = time.perf_counter()
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            self._observe(live, out, now)
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._finish(live, "error" if out.error else out.finish_reason or "stop", out)
+            self._deliver(live, out)
+        if not outs and self.engine.stats.steps == steps:
+            if not self.engine.scheduler.has_work() and self.engine.has_unfinished():
+                self._fail_all("the engine stalled with unfinished requests")
+            else:
+                time.sleep(0.001)
+
+    def _observe(self, live: _Live, out: Any, now: float) -> None:
+        n = len(out.token_ids)
+        new = n - live.tokens
+        if new <= 0:
+            return
+        m = self.metrics
+        if live.first is None:
+            live.first = now
+            if m:
+                m.ttft.labels(m.pool).observe(now - live.arrival)
+        elif m:
+            m.itl.labels(m.pool).observe((now - live.last) / new)
+        self.generated_tokens += new
+        if m:
+            m.generation_tokens.labels(m.pool).inc(new)
+        live.tokens = n
+        live.last = now
+
+    def _finish(self, live: _Live, outcome: str, out: Any = None) -> None:
+        self._release()
+        m = self.metrics
+        if m is None:
+            return
+        m.outcome(outcome)
+        if out is not None:
+            m.prompt_tokens.labels(m.pool).inc(len(out.prompt_token_ids))
+            m.cached_tokens.labels(m.pool).inc(out.num_cached_tokens)
+            m.e2e.labels(m.pool).observe(time.perf_counter() - live.arrival)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+    def _deliver(self, live: _Live, item: Any) -> None:
+        try:
+            live.loop.call_soon_threadsafe(live.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the client's event loop is gone
+
+    def _fail_all(self, message: str) -> None:
+        for rid, live in list(self._live.items()):
+            self._live.pop(rid, None)
+            self._finish(live, "error")
+            self._deliver(live, RequestFailed(message))
+        while True:  # requests still queued as commands
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd.kind == "call" and cmd.done is not None and not cmd.done.done():
+                self._release()
+                cmd.done.set_exception(EngineDead(message))
+
+    def _maybe_snapshot(self) -> None:
+        if time.perf_counter() - self._snap_at >= SNAPSHOT_EVERY_S:
+            self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        e = self.engine
+        self._snap_at = time.perf_counter()
+        c = e.integrity.counters
+        self._snapshot = EngineSnapshot(
+            ready=self._dead is None and not self._stop.is_set(),
+            pools=[
+                KVPoolState(
+                    name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, getattr(p, "kv_format", "")
+                )
+                for name, p in engine_pools(e).items()
+            ],
+            running=e.num_running,
+            waiting=e.num_waiting,
+            integrity_mode=getattr(e.integrity, "mode", e.config.integrity),
+            integrity={
+                "checks": c.checks,
+                "pages_checked": c.pages_checked,
+                "mismatches": c.mismatches,
+                "requests_aborted": c.requests_aborted,
+            },
+            weight_bytes=self._weight_bytes,
+            formats=e.config.formats.as_dict(),
+            prefix_hit_tokens=getattr(e.scheduler, "prefix_hit_tokens", 0),
+            generation_tokens=self.generated_tokens,
+            model=self.model_name,
+        )
+
+
+def engine_pools(engine: Any) -> dict[str, Any]:
+    """The engine's KV page pools by name: one shared pool, or a prefill and a decode pool."""
+    pools = [getattr(engine, "prefill_pool", None), engine.pool]
+    out: dict[str, Any] = {}
+    for p in pools:
+        if p is not None and all(p is not q for q in out.values()):
+            out[p.name] = p
+    return out

@@ -1,0 +1,103 @@
+"""The API backend of a single-process worker (``--role both``): requests go to the local engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.node_agent.engine.llm_engine import CapacityError
+from pagoda.node_agent.engine.sequence import RequestError
+from pagoda.node_agent.serving.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    QueueFull,
+    RequestFailed,
+    RequestStream,
+)
+from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.protocol import ApiError
+
+RETRY_AFTER_S = 1
+
+
+def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
+    """An engine RequestError -> 400 naming the field the message is about."""
+    msg = str(exc)
+    first = msg.split(" ", 1)[0].rstrip(":")
+    fields = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
+    if first in fields:
+        param = first
+    elif "token ids" in msg or first in ("prompt", "request"):
+        param = prompt_field
+    else:
+        param = prompt_field if "prompt" in msg else None
+    return ApiError(400, msg, param=param, code="invalid_value")
+
+
+def busy_error(exc: Exception) -> ApiError:
+    if isinstance(exc, QueueFull | CapacityError):
+        return ApiError(
+            429,
+            f"the server is busy ({exc}); retry later",
+            code="queue_full",
+            type_="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    return ApiError(
+        503,
+        f"the engine is not available: {exc}",
+        code="engine_unavailable",
+        type_="server_error",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+class LocalHandle:
+    """Chunks of one local request."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+        self.request_id = stream.request_id
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[StreamChunk]:
+        async for out in self.stream:
+            yield StreamChunk.of(out)
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+
+class LocalBackend:
+    """Generates with an AsyncEngine in this process."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready
+
+    def ready_detail(self) -> dict[str, Any]:
+        snap = self.engine.snapshot()
+        return {
+            "engine": self.engine.ready,
+            "kv_capacity_tokens": snap.kv_capacity_tokens,
+            "kv_pools": [p.name for p in snap.pools],
+        }
+
+    async def open(self, req: GenRequest) -> LocalHandle:
+        try:
+            stream = await self.engine.submit(
+                req.prompt, req.params, chat=req.chat, cache_salt=req.cache_salt, request_id=req.request_id
+            )
+        except RequestError as exc:
+            raise request_error(exc, "messages" if req.chat else "prompt") from exc
+        except (QueueFull, EngineDead, CapacityError) as exc:
+            raise busy_error(exc) from exc
+        return LocalHandle(stream)
+
+
+__all__ = ["LocalBackend", "LocalHandle", "RequestFailed", "busy_error", "request_error"]

@@ -1,0 +1,381 @@
+"""The router (``--role router``): the OpenAI API in front of prefill and decode workers.
+
+For each request it picks a decode worker (session affinity, then the most free KV capacity) and
+opens its token stream, then picks a prefill worker (session affinity, then the longest prefix the
+router has sent it before, then the lightest load) and asks it to prefill and hand the KV pages to
+that decode worker; tokens stream back through the router. A worker that fails a health poll or a
+request is skipped until its ``/internal/state`` answers ready again; clients whose stream breaks
+get an error event at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from pagoda.node_agent.serving.async_engine import RequestFailed
+from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.disagg_worker import params_to_json
+from pagoda.node_agent.serving.metrics import ServeMetrics
+from pagoda.node_agent.serving.protocol import ApiError
+
+log = logging.getLogger("pagoda.router")
+
+PREFIX_CHUNK_CHARS = 64
+PREFIX_INDEX_SIZE = 65536
+SESSION_TABLE_SIZE = 65536
+
+
+@dataclass
+class RouterSettings:
+    prefill: list[str]
+    decode: list[str]
+    session_affinity: bool = True
+    prefix_aware: bool = True
+    health_interval_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 120.0
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str
+    ready: bool = False
+    kv_free_tokens: int = 0
+    inflight: int = 0  # requests this router has on it now
+    prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def mark_down(self, why: str) -> None:
+        if self.ready:
+            log.warning("%s worker %s is down: %s", self.role, self.url, why)
+        self.ready = False
+
+
+def prefix_keys(req: GenRequest) -> list[bytes]:
+    """Chained hashes of the prompt's full 64-character chunks, salted by the tenant."""
+    p = req.prompt
+    text = p if isinstance(p, str) else json.dumps(p, separators=(",", ":"))
+    h = hashlib.blake2b(b"router:" + req.cache_salt.encode(), digest_size=12).digest()
+    out = []
+    for i in range(0, len(text) - PREFIX_CHUNK_CHARS + 1, PREFIX_CHUNK_CHARS):
+        h = hashlib.blake2b(h + text[i : i + PREFIX_CHUNK_CHARS].encode(), digest_size=12).digest()
+        out.append(h)
+    return out
+
+
+class Router:
+    """A Backend for the API server that generates through prefill and decode workers."""
+
+    def __init__(self, settings: RouterSettings, metrics: ServeMetrics) -> None:
+        if not settings.prefill or not settings.decode:
+            raise ValueError("the router needs --prefill-endpoints and --decode-endpoints")
+        self.settings = settings
+        self.metrics = metrics
+        self.prefill = [Worker(u.rstrip("/"), "prefill") for u in settings.prefill]
+        self.decode = [Worker(u.rstrip("/"), "decode") for u in settings.decode]
+        self.sessions: OrderedDict[tuple[str, str], Worker] = OrderedDict()
+        self._client: httpx.AsyncClient | None = None
+        self._health: asyncio.Task | None = None
+        metrics.worker_ready.source = lambda: {(w.url, w.role): w.ready for w in self.prefill + self.decode}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self.settings
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        await self.poll()
+        self._health = asyncio.create_task(self._health_loop(), name="pagoda-router-health")
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            with contextlib.suppress(Exception):
+                await self.poll()
+
+    async def poll(self) -> None:
+        await asyncio.gather(*(self._poll_one(w) for w in self.prefill + self.decode))
+
+    async def _poll_one(self, w: Worker) -> None:
+        assert self._client is not None
+        try:
+            r = await self._client.get(w.url + "/internal/state", timeout=2.0)
+            state = r.json() if r.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as exc:
+            w.mark_down(repr(exc))
+            state = None
+        if state is not None:
+            ok = bool(state.get("ready"))
+            if ok and not w.ready:
+                log.info("%s worker %s is ready", w.role, w.url)
+            if not ok:
+                w.mark_down("not ready")
+            w.ready = ok
+            w.kv_free_tokens = int(state.get("kv_free_tokens") or 0)
+
+    # ------------------------------------------------------------------ Backend
+
+    @property
+    def ready(self) -> bool:
+        return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
+
+    def ready_detail(self) -> dict[str, Any]:
+        return {
+            "prefill": {w.url: w.ready for w in self.prefill},
+            "decode": {w.url: w.ready for w in self.decode},
+        }
+
+    def _pick(
+        self, workers: list[Worker], role: str, req: GenRequest, keys: list[bytes] | None
+    ) -> tuple[Worker, str]:
+        ready = [w for w in workers if w.ready]
+        if not ready:
+            raise ApiError(
+                503,
+                f"no {role} worker is ready; retry later",
+                code="no_worker",
+                type_="server_error",
+                headers={"Retry-After": "1"},
+            )
+        if self.settings.session_affinity and req.session:
+            w = self.sessions.get((role, req.session))
+            if w is not None and w.ready:
+                self.sessions.move_to_end((role, req.session))
+                return w, "affinity"
+        if keys:
+            best, depth = None, 0
+            for w in ready:
+                n = 0
+                for k in keys:
+                    if k not in w.prefixes:
+                        break
+                    n += 1
+                if n > depth or (n == depth and best is not None and n and w.inflight < best.inflight):
+                    best, depth = w, n
+            if best is not None and depth:
+                return best, "prefix"
+        if role == "decode":
+            return max(ready, key=lambda w: (w.kv_free_tokens - 64 * w.inflight, -w.inflight)), "capacity"
+        return min(ready, key=lambda w: w.inflight), "load"
+
+    def _remember(self, w: Worker, role: str, req: GenRequest, keys: list[bytes] | None) -> None:
+        if self.settings.session_affinity and req.session:
+            self.sessions[(role, req.session)] = w
+            self.sessions.move_to_end((role, req.session))
+            while len(self.sessions) > SESSION_TABLE_SIZE:
+                self.sessions.popitem(last=False)
+        for k in keys or []:
+            w.prefixes[k] = None
+            w.prefixes.move_to_end(k)
+        while len(w.prefixes) > PREFIX_INDEX_SIZE:
+            w.prefixes.popitem(last=False)
+
+    async def open(self, req: GenRequest) -> RouterHandle:
+        assert self._client is not None, "router not started"
+        t0 = time.perf_counter()
+        rid = req.request_id or uuid.uuid4().hex
+        keys = prefix_keys(req) if self.settings.prefix_aware else None
+        dec, rule_d = self._pick(self.decode, "decode", req, None)
+        pre, rule_p = self._pick(self.prefill, "prefill", req, keys)
+        m = self.metrics
+        m.routed.labels(m.pool, dec.url, rule_d).inc()
+        m.routed.labels(m.pool, pre.url, rule_p).inc()
+        dec.inflight += 1
+        pre.inflight += 1
+        stream: httpx.Response | None = None
+        try:
+            body = {"request_id": rid, "params": params_to_json(req.params)}
+            try:
+                stream = await self._client.send(
+                    self._client.build_request("POST", dec.url + "/internal/decode", json=body), stream=True
+                )
+                if stream.status_code != 200:
+                    raise ApiError(stream.status_code, (await stream.aread()).decode(errors="replace")[:500])
+                lines = stream.aiter_lines()
+                first = json.loads(await anext(lines))
+            except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
+                dec.mark_down(repr(exc))
+                raise ApiError(
+                    503,
+                    f"decode worker {dec.url} failed: {exc!r}",
+                    code="worker_failed",
+                    type_="server_error",
+                    headers={"Retry-After": "1"},
+                ) from exc
+            pbody = {
+                "prompt": req.prompt,
+                "chat": req.chat,
+                "params": params_to_json(req.params),
+                "cache_salt": req.cache_salt,
+                "request_id": rid,
+                "kv_address": first["kv_address"],
+                "ticket": first["ticket"],
+            }
+            try:
+                r = await self._client.post(pre.url + "/internal/prefill", json=pbody)
+            except httpx.HTTPError as exc:
+                pre.mark_down(repr(exc))
+                raise ApiError(
+                    503,
+                    f"prefill worker {pre.url} failed: {exc!r}",
+                    code="worker_failed",
+                    type_="server_error",
+                    headers={"Retry-After": "1"},
+                ) from exc
+            answer = r.json()
+            if r.status_code != 200:
+                err = answer.get("error") or {}
+                headers = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else {}
+                raise ApiError(
+                    r.status_code,
+                    err.get("message", "prefill failed"),
+                    err.get("param"),
+                    err.get("code"),
+                    err.get("type", "server_error"),
+                    headers,
+                )
+            self._remember(dec, "decode", req, None)
+            self._remember(pre, "prefill", req, keys)
+        except BaseException as exc:
+            dec.inflight -= 1
+            pre.inflight -= 1
+            if stream is not None:
+                await stream.aclose()
+            if not (isinstance(exc, ApiError) and exc.status < 500):
+                m.outcome("error")
+            raise
+        pre.inflight -= 1
+        if answer.get("status") == "finished":  # the first token ended it: nothing to decode
+            await stream.aclose()
+            dec.inflight -= 1
+            return RouterHandle(self, rid, None, dec, t0, StreamChunk.from_json(answer["chunk"]))
+        return RouterHandle(
+            self,
+            rid,
+            (stream, lines),
+            dec,
+            t0,
+            None,
+            int(answer.get("num_prompt_tokens") or 0),
+            int(answer.get("num_cached_tokens") or 0),
+        )
+
+
+class RouterHandle:
+    """Token chunks relayed from a decode worker; ``abort`` closes the stream (the worker aborts)."""
+
+    def __init__(
+        self,
+        router: Router,
+        rid: str,
+        stream: tuple[httpx.Response, AsyncIterator[str]] | None,
+        worker: Worker,
+        t0: float,
+        final: StreamChunk | None,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> None:
+        self.router = router
+        self.request_id = rid
+        self._stream = stream
+        self.worker = worker
+        self.t0 = t0
+        self._final = final
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self._closed = final is not None
+        self._started = False
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[StreamChunk]:
+        self._started = True
+        m = self.router.metrics
+        if self._final is not None:
+            m.ttft.labels(m.pool).observe(time.perf_counter() - self.t0)
+            m.outcome(self._final.finish_reason or "stop")
+            yield self._final
+            return
+        assert self._stream is not None
+        resp, lines = self._stream
+        last_t: float | None = None
+        tokens = 0
+        outcome = "error"
+        try:
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    raise RequestFailed(f"decode worker {self.worker.url} closed the stream early") from None
+                except httpx.HTTPError as exc:
+                    self.worker.mark_down(repr(exc))
+                    raise RequestFailed(
+                        f"decode worker {self.worker.url} failed mid-stream: {exc!r}"
+                    ) from exc
+                if not line.strip():
+                    continue
+                msg = json.loads(line)
+                if "error" in msg:
+                    raise RequestFailed(msg["error"].get("message", "decode failed"))
+                c = StreamChunk.from_json(msg["chunk"])
+                c.num_prompt_tokens = c.num_prompt_tokens or self.prompt_tokens
+                c.num_cached_tokens = c.num_cached_tokens or self.cached_tokens
+                now = time.perf_counter()
+                if c.num_tokens > tokens:
+                    if last_t is None:
+                        m.ttft.labels(m.pool).observe(now - self.t0)
+                    else:
+                        m.itl.labels(m.pool).observe((now - last_t) / (c.num_tokens - tokens))
+                    m.generation_tokens.labels(m.pool).inc(c.num_tokens - tokens)
+                    tokens, last_t = c.num_tokens, now
+                if c.finished:
+                    outcome = "error" if c.error else (c.finish_reason or "stop")
+                    if c.error:
+                        raise RequestFailed(c.error)
+                    m.prompt_tokens.labels(m.pool).inc(c.num_prompt_tokens)
+                    m.cached_tokens.labels(m.pool).inc(c.num_cached_tokens)
+                    yield c
+                    return
+                yield c
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "abort"
+            raise
+        finally:
+            m.outcome(outcome)
+            self.worker.inflight -= 1
+            self._closed = True
+            with contextlib.suppress(Exception):
+                await asyncio.shield(resp.aclose())
+
+    def abort(self) -> None:
+        if self._closed or self._stream is None:
+            return
+        self._closed = True
+        if not self._started:
+            self.worker.inflight -= 1
+        resp = self._stream[0]
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(resp.aclose())
