@@ -9,6 +9,7 @@ its queue (nothing is lost), including when the engine step itself fails.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import logging
 import queue
@@ -346,12 +347,7 @@ class AsyncEngine:
             running=e.num_running,
             waiting=e.num_waiting,
             integrity_mode=getattr(e.integrity, "mode", e.config.integrity),
-            integrity={
-                "checks": c.checks,
-                "pages_checked": c.pages_checked,
-                "mismatches": c.mismatches,
-                "requests_aborted": c.requests_aborted,
-            },
+            integrity=dataclasses.asdict(c),
             weight_bytes=self._weight_bytes,
             formats=e.config.formats.as_dict(),
             prefix_hit_tokens=getattr(e.scheduler, "prefix_hit_tokens", 0),
