@@ -1,9 +1,10 @@
 """The agent reporter: patch ``status.agents.<pod>`` of this pod's ModelDeployment every interval.
 
 On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
-Each report is a JSON merge patch of the status subresource touching only this pod's key, in the
-shape of the README ("Agent contract"). Credentials: the pod's ServiceAccount when in a
-cluster, else ``KUBECONFIG`` / ``~/.kube/config`` (server, token or client certificate, CA).
+Each report is a JSON merge patch of the status subresource touching only this pod's key: an
+``AgentReport`` (pagoda/agent_report.py, the shape the operator reads) as ``to_status()``.
+Credentials: the pod's ServiceAccount when in a cluster, else ``KUBECONFIG`` / ``~/.kube/config``
+(server, token or client certificate, CA).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from urllib.parse import quote
 
 import httpx
 
+from pagoda.agent_report import AgentReport, IntegrityReport, PhaseFormats
 from pagoda.node_agent.serving.metrics import EngineSnapshot
 
 log = logging.getLogger("pagoda.reporter")
@@ -127,34 +129,25 @@ def _data_file(b64: str) -> str:
     return f.name
 
 
-def build_report(cfg: ReporterConfig, snap: EngineSnapshot, tokens_per_s: float, when: dt.datetime) -> dict:
-    """One agent report in the contract's shape (camelCase; counters cumulative since start)."""
-    f = snap.formats
-    return {
-        "pool": cfg.pool,
-        "node": cfg.node,
-        "ready": snap.ready,
-        "formats": {
-            "prefillWeights": f.get("prefill_weights", ""),
-            "prefillKv": f.get("prefill_kv", ""),
-            "decodeWeights": f.get("decode_weights", ""),
-            "decodeKv": f.get("decode_kv", ""),
-        },
-        "weightBytes": snap.weight_bytes,
-        "kvCapacityTokens": snap.kv_capacity_tokens,
-        "kvUsedTokens": snap.kv_used_tokens,
-        "tokensPerSecond": round(tokens_per_s, 3),
-        "runningRequests": snap.running,
-        "waitingRequests": snap.waiting,
-        "integrity": {
-            "mode": snap.integrity_mode,
-            "checks": snap.integrity.get("checks", 0),
-            "pagesChecked": snap.integrity.get("pages_checked", 0),
-            "mismatches": snap.integrity.get("mismatches", 0),
-            "requestsAborted": snap.integrity.get("requests_aborted", 0),
-        },
-        "lastReportTime": when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+def build_report(
+    cfg: ReporterConfig, snap: EngineSnapshot, tokens_per_s: float, when: dt.datetime
+) -> AgentReport:
+    """This pod's report from an engine snapshot (counters cumulative since the engine started)."""
+    return AgentReport(
+        pool=cfg.pool,
+        node=cfg.node,
+        ready=snap.ready,
+        model=snap.model,
+        formats=PhaseFormats.from_formats(snap.formats),
+        weight_bytes=snap.weight_bytes,
+        kv_capacity_tokens=snap.kv_capacity_tokens,
+        kv_used_tokens=snap.kv_used_tokens,
+        tokens_per_second=round(tokens_per_s, 3),
+        running_requests=snap.running,
+        waiting_requests=snap.waiting,
+        integrity=IntegrityReport.from_counters(snap.integrity_mode, snap.integrity),
+        last_report_time=when.replace(microsecond=0),
+    )
 
 
 class AgentReporter:
@@ -191,13 +184,8 @@ class AgentReporter:
 
     async def report_once(self, client: httpx.AsyncClient) -> None:
         snap = self.snapshot()
-        body = {
-            "status": {
-                "agents": {
-                    self.cfg.pod: build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
-                }
-            }
-        }
+        report = build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
+        body = {"status": {"agents": {self.cfg.pod: report.to_status()}}}
         assert self.auth is not None
         resp = await client.patch(
             self.auth.server + self.cfg.path,

@@ -214,6 +214,18 @@ class EngineCollector(Collector):
             p,
             s.integrity.get("requests_aborted", 0),
         )
+        yield _counter(
+            "pagoda_integrity_pages_audited",
+            "Sealed KV pages checksummed or verified (audit mode)",
+            p,
+            s.integrity.get("pages_audited", 0),
+        )
+        yield _counter(
+            "pagoda_integrity_checksum_mismatches",
+            "KV pages whose bytes changed after sealing (audit mode)",
+            p,
+            s.integrity.get("checksum_mismatches", 0),
+        )
         info = InfoMetricFamily(
             "pagoda_engine", "Model, integrity mode and per-phase formats", labels=["pool"]
         )

@@ -6,6 +6,7 @@ import datetime as dt
 
 import pytest
 
+from pagoda.agent_report import AgentReport
 from pagoda.operator import apply, formats, rollout
 from pagoda.operator.spec import parse
 from pagoda.operator.status import classify, pool_figures, window
@@ -101,28 +102,48 @@ def test_classify_prunes_gone_pods_and_marks_stale_ones() -> None:
         "bad": {"stale": True},
     }
     assert classify(agents, None, NOW, 60).pruned == []  # pods unknown: prune nothing
+    assert out.fresh["a"].pool == "decode" and out.stale["bad"].last_report_time is None
+
+
+def test_classify_skips_malformed_agents() -> None:
+    out = classify({"x": "not a report", "y": None, "z": {"lastReportTime": stamp(1)}}, None, NOW, 60)
+    assert set(out.fresh) == {"z"} and not out.stale and out.patch == {"z": {"stale": False}}
+    assert classify(["not", "a", "map"], None, NOW, 60) == classify({}, None, NOW, 60)
 
 
 def test_pool_figures_sum_fresh_agents_only() -> None:
-    fresh = {
-        "d0": {
-            "pool": "decode",
-            "kvCapacityTokens": 10,
-            "tokensPerSecond": 1.5,
-            "ready": True,
-            "integrity": {"checks": 4, "mismatches": 1},
-        },
-        "d1": {"pool": "decode", "kvCapacityTokens": 20, "tokensPerSecond": 2.0, "integrity": {"checks": 6}},
-        "p0": {"pool": "prefill", "kvCapacityTokens": 99},
-    }
-    figures = pool_figures("decode", fresh, {"old": {"pool": "decode", "kvCapacityTokens": 1000}})
+    fresh = reports(
+        {
+            "d0": {
+                "pool": "decode",
+                "kvCapacityTokens": 10,
+                "tokensPerSecond": 1.5,
+                "ready": True,
+                "integrity": {"checks": 4, "mismatches": 1, "pagesAudited": 30, "checksumMismatches": 1},
+            },
+            "d1": {
+                "pool": "decode",
+                "kvCapacityTokens": 20,
+                "tokensPerSecond": 2.0,
+                "integrity": {"checks": 6, "pagesAudited": 5},
+            },
+            "p0": {"pool": "prefill", "kvCapacityTokens": 99},
+            "odd": {"pool": "decode", "kvCapacityTokens": "many", "integrity": None},  # a broken agent
+        }
+    )
+    figures = pool_figures("decode", fresh, reports({"old": {"pool": "decode", "kvCapacityTokens": 1000}}))
     assert figures["kvCapacityTokens"] == 30 and figures["tokensPerSecond"] == 3.5
     assert figures["integrityChecks"] == 10 and figures["integrityMismatches"] == 1
-    assert figures["readyAgents"] == 1 and figures["reportingAgents"] == 2 and figures["staleAgents"] == 1
+    assert figures["integrityPagesAudited"] == 35 and figures["integrityChecksumMismatches"] == 1
+    assert figures["readyAgents"] == 1 and figures["reportingAgents"] == 3 and figures["staleAgents"] == 1
 
 
-def agent(checks: int, mismatches: int, pool: str = "decode") -> dict:
-    return {"pool": pool, "integrity": {"checks": checks, "mismatches": mismatches}}
+def reports(raw: dict[str, dict]) -> dict[str, AgentReport]:
+    return {pod: AgentReport.from_status(r) for pod, r in raw.items()}
+
+
+def agent(checks: int, mismatches: int, pool: str = "decode") -> AgentReport:
+    return AgentReport.from_status({"pool": pool, "integrity": {"checks": checks, "mismatches": mismatches}})
 
 
 def test_window_rate_uses_the_snapshot_and_survives_restarts() -> None:

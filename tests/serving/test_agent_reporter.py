@@ -4,12 +4,16 @@ the reports: the status patch has the contract's shape and the operator aggregat
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import json
 import pathlib
 import sys
 
 import pytest
 
-from pagoda.node_agent.agent.reporter import AgentReporter, KubeAuth, ReporterConfig
+from pagoda.agent_report import REPORT_VERSION, AgentReport, IntegrityReport
+from pagoda.node_agent.agent.reporter import AgentReporter, KubeAuth, ReporterConfig, build_report
+from pagoda.node_agent.serving.metrics import EngineSnapshot, KVPoolState
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "operator"))
 
@@ -54,6 +58,44 @@ def test_reporter_is_off_outside_a_deployment() -> None:
         3.0,
         "/apis/pagoda.dev/v1alpha1/namespaces/ns/modeldeployments/smollm/status",
     )
+
+
+def test_report_carries_every_engine_counter_and_parses_back() -> None:
+    counters = {
+        "checks": 9,
+        "pages_checked": 90,
+        "mismatches": 1,
+        "requests_aborted": 1,
+        "pages_audited": 40,
+        "checksum_mismatches": 2,
+    }
+    snap = EngineSnapshot(
+        ready=True,
+        pools=[KVPoolState("decode", num_pages=8, num_used=2, page_size=16, capacity_tokens=128)],
+        running=2,
+        waiting=1,
+        integrity_mode="audit",
+        integrity=counters,
+        weight_bytes=1000,
+        formats={
+            "prefill_weights": "fp8",
+            "prefill_kv": "bf16",
+            "decode_weights": "int4",
+            "decode_kv": "fp8_e4m3",
+        },
+        model="builtin://smollm2-135m",
+    )
+    cfg = ReporterConfig("smollm", "default", POD, "decode", "node-a")
+    when = dt.datetime(2026, 11, 29, 12, 0, 0, 250_000, tzinfo=dt.UTC)
+    wire = json.loads(json.dumps(build_report(cfg, snap, 12.34567, when).to_status()))
+    assert wire["integrity"]["pagesAudited"] == 40 and wire["integrity"]["checksumMismatches"] == 2
+    assert wire["lastReportTime"] == "2026-11-29T12:00:00Z" and wire["tokensPerSecond"] == 12.346
+    report = AgentReport.from_status(wire)
+    assert report.integrity == IntegrityReport.from_counters("audit", counters)
+    assert (report.kv_capacity_tokens, report.kv_used_tokens) == (128, 32)
+    assert (report.running_requests, report.waiting_requests) == (2, 1)
+    assert report.formats.decode_weights == "int4" and report.model == "builtin://smollm2-135m"
+    assert report.version == REPORT_VERSION and report.ready is True
 
 
 def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, stack) -> None:
@@ -112,8 +154,19 @@ def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, s
         "decodeWeights": "bf16",
         "decodeKv": "bf16",
     }
-    assert set(report["integrity"]) == {"mode", "checks", "pagesChecked", "mismatches", "requestsAborted"}
+    assert set(report["integrity"]) == {
+        "mode",
+        "checks",
+        "pagesChecked",
+        "mismatches",
+        "requestsAborted",
+        "pagesAudited",
+        "checksumMismatches",
+    }
     assert report["integrity"]["mode"] == "enforce"
+    parsed = AgentReport.from_status(report)
+    assert parsed.version == REPORT_VERSION and parsed.model == s.model
+    assert parsed.to_status() == {k: v for k, v in report.items() if k != "stale"}
     assert report["lastReportTime"].endswith("Z")
     decode = cluster.wait_for(
         lambda: (
