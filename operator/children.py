@@ -1,17 +1,15 @@
-"""Manifests of the objects one ModelDeployment owns: config, pools, router, services, agent RBAC.
+"""Manifests of the objects one ModelDeployment owns: pools, router, services, agent RBAC.
 
 Everything here is a pure function of the ModelDeployment and the operator settings, so the
-reconciler can compare what it builds with what the cluster holds.
+reconciler can compare what it builds with what the cluster holds. The agents take their whole
+configuration from their command line (``agent_args``) and environment (``agent_env``), both in the
+pod template, so every change an agent must see rolls its pods and nothing else does.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from typing import Any
-
-import yaml
 
 from .config import Config
 from .spec import API_VERSION, GROUP, KIND, PLURAL, Pool, Spec
@@ -21,9 +19,7 @@ MANAGED_BY = "pagoda-operator"
 MD_LABEL = "pagoda.dev/model-deployment"
 POOL_LABEL = "pagoda.dev/pool"
 HANDOFF_ANNOTATION = "pagoda.dev/handoff"
-CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODEL_MOUNT = "/mnt/models"
-CONFIG_MOUNT = "/etc/pagoda"
 
 Obj = dict[str, Any]
 
@@ -66,61 +62,13 @@ def _metadata(meta: Obj, name: str, component: str) -> Obj:
 
 
 def child_name(md_name: str, component: str) -> str:
-    """Name of a child: ``<md>-prefill``, ``<md>-decode``, ``<md>-router``, ``<md>-config``, ``<md>-agent``."""
+    """Name of a child: ``<md>-prefill``, ``<md>-decode``, ``<md>-router``, ``<md>-agent``."""
     return f"{md_name}-{component}"
 
 
 def service_url(md_name: str, namespace: str, pool: str) -> str:
     """In-cluster URL of a pool's Service."""
     return f"http://{child_name(md_name, pool)}.{namespace}.svc:{PORT}"
-
-
-def engine_config(spec: Spec) -> Obj:
-    """The engine configuration stored in the ConfigMap (informational; the flags are authoritative)."""
-
-    def pool(p: Pool) -> Obj:
-        return {
-            "replicas": p.replicas,
-            "weightFormat": p.weight_format,
-            "kvCacheFormat": p.kv_cache_format,
-            "tensorParallel": p.tensor_parallel,
-            "gpus": p.gpus,
-            "maxConcurrency": p.max_concurrency,
-            "kvMemoryFraction": p.kv_memory_fraction,
-        }
-
-    return {
-        "model": {"source": spec.source, "architecture": spec.architecture},
-        "prefill": pool(spec.prefill),
-        "decode": pool(spec.decode),
-        "handoff": spec.handoff,
-        "integrity": {
-            "mode": spec.integrity.mode,
-            "mismatchRateThreshold": spec.integrity.mismatch_rate_threshold,
-            "windowSeconds": spec.integrity.window_seconds,
-        },
-        "routing": {
-            "sessionAffinity": spec.routing.session_affinity,
-            "prefixCaching": spec.routing.prefix_caching,
-            "tenantHeader": spec.routing.tenant_header,
-        },
-    }
-
-
-def config_map(meta: Obj, spec: Spec) -> Obj:
-    """ConfigMap ``<md>-config`` with ``engine.yaml``."""
-    text = yaml.safe_dump(engine_config(spec), sort_keys=True)
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _metadata(meta, child_name(meta["name"], "config"), "config"),
-        "data": {"engine.yaml": text},
-    }
-
-
-def config_hash(cm: Obj) -> str:
-    """Short digest of a ConfigMap's data; a change rolls the pods."""
-    return hashlib.sha256(json.dumps(cm["data"], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def model_argument(source: str) -> str:
@@ -218,9 +166,9 @@ def _resources(pool: Pool) -> Obj:
     return res
 
 
-def _volumes(meta: Obj, spec: Spec) -> tuple[list[Obj], list[Obj]]:
-    volumes: list[Obj] = [{"name": "config", "configMap": {"name": child_name(meta["name"], "config")}}]
-    mounts: list[Obj] = [{"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
+    volumes: list[Obj] = []
+    mounts: list[Obj] = []
     if spec.source.startswith("pvc://"):
         claim = spec.source[len("pvc://") :].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -231,7 +179,7 @@ def _volumes(meta: Obj, spec: Spec) -> tuple[list[Obj], list[Obj]]:
 def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj) -> Obj:
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
     ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
-    return {
+    container: Obj = {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
@@ -247,20 +195,25 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
             "failureThreshold": 90,
         },
         "resources": resources,
-        "volumeMounts": mounts,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    # Empty lists are left out, as the API server leaves them out: an empty list set here would
+    # never be found on the live object, and every pass would patch it again.
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
 
 
-def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, cfg_hash: str) -> Obj:
+def deployment(meta: Obj, spec: Spec, role: str, cfg: Config) -> Obj:
     """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router."""
     name = meta["name"]
-    volumes, mounts = _volumes(meta, spec)
+    volumes, mounts = _volumes(spec)
     pod_spec: Obj = {
         "serviceAccountName": child_name(name, "agent"),
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
-        "volumes": volumes,
     }
+    if volumes:
+        pod_spec["volumes"] = volumes
     if role == "router":
         replicas = spec.router.replicas
         pod_spec["containers"] = [
@@ -291,7 +244,7 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, cfg_hash: str) -> 
             "template": {
                 "metadata": {
                     "labels": labels(name, role),
-                    "annotations": {HANDOFF_ANNOTATION: spec.handoff, CONFIG_HASH_ANNOTATION: cfg_hash},
+                    "annotations": {HANDOFF_ANNOTATION: spec.handoff},
                 },
                 "spec": pod_spec,
             },
@@ -347,10 +300,8 @@ def agent_rbac(meta: Obj) -> list[Obj]:
 
 def build(meta: Obj, spec: Spec, cfg: Config) -> dict[str, Obj]:
     """All children keyed by ``Kind/name``, in the order they should be applied."""
-    cm = config_map(meta, spec)
-    digest = config_hash(cm)
-    objs = [*agent_rbac(meta), cm]
+    objs = agent_rbac(meta)
     for role in ("decode", "prefill", "router"):
-        objs.append(deployment(meta, spec, role, cfg, digest))
+        objs.append(deployment(meta, spec, role, cfg))
         objs.append(service(meta, spec, role))
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

@@ -121,6 +121,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert all("*" not in v and "delete" not in v for v in verbs.values())
     assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
+    assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none
     assert not any(g == "" and r == "secrets" for g, r in verbs)
 
 

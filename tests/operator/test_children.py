@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
+from typing import Any
+
 import kubernetes_validate
 import pytest
 from op_schema import admit, example
 
-from pagoda.operator import children
+from pagoda.operator import apply, children
 from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
 
@@ -48,7 +52,6 @@ def test_every_child_validates_against_its_kubernetes_schema(spec: dict) -> None
         "ServiceAccount",
         "Role",
         "RoleBinding",
-        "ConfigMap",
         "Deployment",
         "Service",
     }
@@ -107,6 +110,16 @@ def test_pvc_model_is_mounted_and_passed_as_a_directory() -> None:
     assert args[args.index("--model") + 1] == "hf-dir:///mnt/models/llama/3b"
     claim = [v for v in pod["volumes"] if v["name"] == "model"][0]["persistentVolumeClaim"]
     assert claim == {"claimName": "models", "readOnly": True}
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "model", "mountPath": "/mnt/models", "readOnly": True}
+    ]
+
+
+def test_a_builtin_model_needs_no_volume() -> None:
+    """Nothing is mounted but a PVC model: the agents read their settings from args and env only."""
+    for role in ("prefill", "decode", "router"):
+        pod = build()[f"Deployment/m-{role}"]["spec"]["template"]["spec"]
+        assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
 
 
 def test_agent_args_follow_the_contract() -> None:
@@ -144,10 +157,65 @@ def test_agent_args_follow_the_contract() -> None:
     ]
 
 
-def test_a_config_change_changes_the_pod_template() -> None:
-    before = build()["Deployment/m-decode"]["spec"]["template"]["metadata"]["annotations"]
-    after = build(integrity={"windowSeconds": 60})["Deployment/m-decode"]["spec"]["template"]["metadata"][
-        "annotations"
+def template(objs: dict, role: str) -> dict:
+    return objs[f"Deployment/m-{role}"]["spec"]["template"]
+
+
+def test_a_change_the_agents_see_changes_every_pod_template() -> None:
+    before = build()
+    after = build(integrity={"mode": "audit"})
+    for role in ("prefill", "decode", "router"):
+        assert template(before, role) != template(after, role), role
+        args = template(after, role)["spec"]["containers"][0]["args"]
+        assert args[args.index("--integrity") + 1] == "audit"
+    assert template(before, "decode")["metadata"]["annotations"] == {
+        children.HANDOFF_ANNOTATION: "bf16->fp8_e4m3"
+    }
+
+
+def test_operator_only_settings_and_scaling_leave_the_pod_templates_alone() -> None:
+    """The integrity window and threshold only feed the operator's status; replicas only the
+    Deployment's scale. Neither may roll the pods."""
+    before = build()
+    after = build(integrity={"windowSeconds": 60, "mismatchRateThreshold": 0.01}, decode={"replicas": 3})
+    for role in ("prefill", "decode", "router"):
+        assert template(before, role) == template(after, role), role
+    assert after["Deployment/m-decode"]["spec"]["replicas"] == 3
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch, as the API server applies the operator's patches."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def test_an_upgrade_drops_the_old_config_volume_and_hash() -> None:
+    """A Deployment written by an operator that still mounted the ``<md>-config`` ConfigMap loses
+    the volume, the mount and the config-hash annotation in one patch, and is in sync after it."""
+    desired = build()["Deployment/m-decode"]
+    old = copy.deepcopy(desired)
+    old["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/config-hash"] = "0123456789abcdef"
+    old["spec"]["template"]["spec"]["volumes"] = [{"name": "config", "configMap": {"name": "m-config"}}]
+    old["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] = [
+        {"name": "config", "mountPath": "/etc/pagoda", "readOnly": True}
     ]
-    assert before[children.CONFIG_HASH_ANNOTATION] != after[children.CONFIG_HASH_ANNOTATION]
-    assert before[children.HANDOFF_ANNOTATION] == "bf16->fp8_e4m3"
+    live = apply._stamped(old)  # as the previous operator created it
+    patches: list[dict] = []
+
+    class Kube:
+        async def patch(self, kind: str, namespace: str, name: str, body: dict) -> None:
+            patches.append(body)
+
+    assert asyncio.run(apply.ensure(Kube(), desired, live)) == "patched"  # type: ignore[arg-type]
+    patched = merge_patch(live, patches[0])
+    pod = patched["spec"]["template"]
+    assert "pagoda.dev/config-hash" not in pod["metadata"]["annotations"]
+    assert "volumes" not in pod["spec"] and "volumeMounts" not in pod["spec"]["containers"][0]
+    assert apply.in_sync(desired, patched)

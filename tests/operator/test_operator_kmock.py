@@ -144,8 +144,10 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         svc = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{role}")
         assert svc["spec"]["selector"] == {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": role}
         assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    cm = cluster.get(f"{CM_PATH.format(ns=NS)}/smollm-config")
-    assert "handoff: bf16->fp8_e4m3" in cm["data"]["engine.yaml"]
+    for dep in (prefill, decode, router):
+        assert dep["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "bf16->fp8_e4m3"
+    # The agents take everything from args and env: no ConfigMap, so none that nobody reads.
+    assert cluster.get(CM_PATH.format(ns=NS))["items"] == []
     role = cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/smollm-agent")
     assert role["rules"] == [
         {
