@@ -114,10 +114,10 @@ class FaultInjector:
         self.injected: list[Fault] = []
 
     def _seq(self, request_id: str) -> Sequence:
-        tr = self.engine._requests.get(request_id)
-        if tr is None:
+        seq = self.engine.sequence(request_id)
+        if seq is None:
             raise FaultInjectionError(f"no live request {request_id!r}")
-        return tr.seq
+        return seq
 
     def _record(self, fault: Fault) -> Fault:
         self.injected.append(fault)

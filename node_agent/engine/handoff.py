@@ -3,12 +3,14 @@ payload a prefill worker hands to a decode worker (the wire framing lives in kv_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.kernels.paged_attention import convert_pages
-from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages, PageRef
+from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
+from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence
 
 
 @dataclass
@@ -48,18 +50,6 @@ def extract_pages(
     return layers, scales
 
 
-def allocate_pages(pool: KVPagePool, n: int) -> list[PageRef]:
-    """n fresh pages, all or none."""
-    refs: list[PageRef] = []
-    try:
-        for _ in range(n):
-            refs.append(pool.allocate())
-    except OutOfPages:
-        pool.release_all(refs)
-        raise
-    return refs
-
-
 def convert_into(
     dst: KVPagePool,
     dst_refs: list[PageRef],
@@ -94,7 +84,7 @@ def migrate(
     src: KVPagePool, dst: KVPagePool, refs: list[PageRef], backend: str | None = None
 ) -> list[PageRef]:
     """Move pages from one pool to another (fresh tagged pages, converted); raises OutOfPages."""
-    dst_refs = allocate_pages(dst, len(refs))
+    dst_refs = dst.allocate_pages(len(refs))
     src_idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=src.device)
     convert_into(dst, dst_refs, src.layers, src.scales, src_idx, backend)
     src.release_all(refs)
@@ -103,3 +93,51 @@ def migrate(
 
 def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
+
+
+def payload_of(
+    seq: Sequence, pool: KVPagePool, meta_of: Callable[[list[dict[str, torch.Tensor]]], dict]
+) -> KVPayload:
+    """The handoff of a prefilled sequence: its pages (copied out of ``pool``), sampling state and
+    ``meta_of(pages)`` (the integrity tracker's per-page metadata)."""
+    layers, scales = extract_pages(pool, seq.block_table)
+    gen = seq.generator.get_state() if seq.generator is not None else None
+    return KVPayload(
+        seq.request_id,
+        list(seq.prompt_token_ids),
+        seq.output_token_ids[0],
+        pool.page_size,
+        pool.kv_format,
+        layers,
+        scales,
+        gen,
+        seq.num_cached_tokens,
+        meta=meta_of(layers),
+    )
+
+
+def check_payload(payload: KVPayload, pool: KVPagePool) -> None:
+    """Raise RequestError when a payload's page size or shape cannot go into ``pool``."""
+    ps = pool.page_size
+    if payload.page_size != ps:
+        raise RequestError(f"KV payload page size {payload.page_size} != this worker's {ps}")
+    if payload.num_pages != -(-payload.num_tokens // ps) or len(payload.layers) != len(pool.layers):
+        raise RequestError("KV payload shape does not match its token count or this model")
+
+
+def receive(
+    payload: KVPayload, pool: KVPagePool, params: SamplingParams, request_id: str, backend: str | None = None
+) -> Sequence:
+    """A decoding Sequence whose prompt KV is the payload's, in fresh tagged pages of ``pool``
+    (converted to its format); raises OutOfPages when the pool cannot hold it."""
+    refs = pool.allocate_pages(payload.num_pages)
+    convert_into(pool, refs, payload.layers, payload.scales, backend=backend)
+    seq = Sequence(request_id, payload.prompt_token_ids, params)
+    if payload.generator_state is not None and seq.generator is not None:
+        seq.generator.set_state(payload.generator_state)
+    seq.output_token_ids = [payload.first_token]
+    seq.block_table = refs
+    seq.pool_name = pool.name
+    seq.num_computed_tokens = payload.num_tokens
+    seq.num_cached_tokens = payload.num_cached_tokens
+    return seq

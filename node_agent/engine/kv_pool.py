@@ -170,6 +170,17 @@ class KVPagePool:
         self.allocations += 1
         return PageRef(page, tag)
 
+    def allocate_pages(self, n: int) -> list[PageRef]:
+        """``n`` fresh pages, all or none (raises OutOfPages and keeps nothing)."""
+        refs: list[PageRef] = []
+        try:
+            for _ in range(n):
+                refs.append(self.allocate())
+        except OutOfPages:
+            self.release_all(refs)
+            raise
+        return refs
+
     def incref(self, page: int) -> None:
         """Share a page (prefix reuse); a cached unreferenced page leaves the evictable set."""
         if self.refcount[page] == 0:

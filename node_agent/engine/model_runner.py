@@ -8,7 +8,7 @@ from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.sampling import sample
 from pagoda.node_agent.engine.scheduler import ScheduledStep
-from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.llama import LlamaForCausalLM
 
@@ -57,6 +57,19 @@ class ModelRunner:
             kernel_backend=self.kernel_backend,
         )
         return batch, samplers
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], pool: KVPagePool, phase: str = "decode") -> torch.Tensor:
+        """Next-token logits [T, vocab] (float32) at every position of ``token_ids``, through the paged
+        KV path of ``pool`` with the phase's weights; the pages are released afterwards."""
+        seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
+        seq.block_table = pool.allocate_pages(-(-len(token_ids) // pool.page_size))
+        try:
+            batch, _ = self.build_batch(ScheduledStep("prefill", [seq], [len(token_ids)]), pool)
+            batch.logits_indices = torch.arange(len(token_ids), device=self.device)
+            return self.model.forward(batch, weights_phase=phase)
+        finally:
+            pool.release_all(seq.block_table)
 
     def run(self, step: ScheduledStep, pool: KVPagePool) -> dict[Sequence, int]:
         """Run one step; returns the sampled token for each sequence that reached its newest token."""

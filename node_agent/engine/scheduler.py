@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages, PageRef
@@ -36,6 +37,13 @@ class ScheduledStep:
     num_new_tokens: list[int]  # tokens each sequence computes in this step
     preempted: list[Sequence] = field(default_factory=list)
 
+    def excluding(self, drop: Collection[Sequence]) -> ScheduledStep | None:
+        """The same step without ``drop`` (failed its integrity check); None when nothing is left."""
+        keep = [(s, n) for s, n in zip(self.seqs, self.num_new_tokens, strict=True) if s not in drop]
+        if not keep:
+            return None
+        return ScheduledStep(self.phase, [s for s, _ in keep], [n for _, n in keep], self.preempted)
+
 
 class Scheduler:
     """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
@@ -57,6 +65,13 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Take a sequence whose KV already sits in the decode pool (a handoff): it decodes next."""
+        if seq.pool_name != self.decode_pool.name:
+            raise ValueError(f"{seq.request_id}: pages are not in the decode pool {self.decode_pool.name}")
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -232,10 +247,6 @@ class Scheduler:
         for i, h in enumerate(page_hashes(tokens, ps, seq.cache_salt, parent), start=done):
             seq.page_hashes.append(h)
             self.pool.seal(seq.block_table[i].page, h)
-
-    def _newest_running(self, exclude: Sequence | None) -> Sequence:
-        cands = [s for s in self.running if s is not exclude]
-        return max(cands, key=lambda s: s.arrival)
 
     def _newest_in_decode_pool(self) -> Sequence:
         return max(

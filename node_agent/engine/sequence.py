@@ -23,6 +23,10 @@ class RequestError(ValueError):
     """A request that cannot be served as asked (bad parameters, too long a prompt)."""
 
 
+class CapacityError(RuntimeError):
+    """The worker cannot take this request now (full); the caller may retry elsewhere or later."""
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
@@ -75,7 +79,6 @@ class Sequence:
         self.prefill_only = False  # stop after the first token and hand the KV to a decode worker
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.output_text = ""
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -89,10 +92,6 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def needs_prefill(self) -> bool:
         """More than the newest token lacks KV: ingest a chunk before decoding."""
         return self.num_computed_tokens < self.num_tokens - 1
@@ -100,6 +99,13 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """Mark the sequence ended: ``stop``, ``length``, ``abort``, ``error`` or ``prefilled``."""
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        if error is not None:
+            self.error = error
 
     def token_at(self, i: int) -> int:
         n = len(self.prompt_token_ids)

@@ -9,17 +9,18 @@ its queue (nothing is lost), including when the engine step itself fails.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
+from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.engine.llm_engine import LLMEngine, Prompt
+from pagoda.node_agent.engine.output import RequestOutput
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.serving.metrics import EngineSnapshot, KVPoolState, ServeMetrics
 
@@ -55,11 +56,9 @@ class _Live:
 
 @dataclass
 class _Command:
-    kind: str  # "call" (engine method that adds a request) | "abort"
+    kind: str  # "add" (queue a request with ``add``) | "abort" | "wake"
     rid: str
-    method: str = ""
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    add: Callable[[LLMEngine], object] | None = None  # runs on the loop thread; raises on bad input
     live: _Live | None = None
     done: concurrent.futures.Future | None = None
 
@@ -105,7 +104,11 @@ class AsyncEngine:
     """Runs ``engine.step()`` on its own thread; async submit/stream/abort for the server."""
 
     def __init__(
-        self, engine: Any, metrics: ServeMetrics | None = None, max_queue: int = 256, model_name: str = ""
+        self,
+        engine: LLMEngine,
+        metrics: ServeMetrics | None = None,
+        max_queue: int = 256,
+        model_name: str = "",
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -120,8 +123,6 @@ class AsyncEngine:
         self._snapshot = EngineSnapshot()
         self._snap_at = 0.0
         self.generated_tokens = 0
-        wb = engine.model.weight_bytes()
-        self._weight_bytes = int(wb["total"] if isinstance(wb, dict) else wb)
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,40 +152,43 @@ class AsyncEngine:
 
     async def submit(
         self,
-        prompt: Any,
+        prompt: Prompt,
         params: SamplingParams,
         *,
         chat: bool = False,
         cache_salt: str = "",
         request_id: str | None = None,
-        **kw: Any,
+        prefill_only: bool = False,
     ) -> RequestStream:
         """Queue a request; raises RequestError (bad input), QueueFull or EngineDead."""
-        kwargs = {"request_id": None, "chat": chat, "cache_salt": cache_salt, **kw}
-        return await self._call("add_request", (prompt, params), kwargs, request_id)
+        rid = request_id or uuid.uuid4().hex
+
+        def add(engine: LLMEngine) -> str:
+            return engine.add_request(prompt, params, rid, chat, cache_salt, prefill_only)
+
+        return await self._submit(rid, add)
 
     async def submit_prefilled(
-        self, payload: Any, params: SamplingParams, request_id: str | None = None
+        self, payload: KVPayload, params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
         """Continue a request whose prompt KV arrived from a prefill worker."""
-        return await self._call("add_prefilled", (payload, params), {"request_id": None}, request_id)
+        rid = request_id or uuid.uuid4().hex
+        return await self._submit(rid, lambda engine: engine.add_prefilled(payload, params, rid))
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Command("abort", request_id))
 
-    async def _call(self, method: str, args: tuple, kwargs: dict[str, Any], rid: str | None) -> RequestStream:
+    async def _submit(self, rid: str, add: Callable[[LLMEngine], object]) -> RequestStream:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDead(self._dead or "the engine loop is not running")
         with self._lock:
             if self._inflight >= self.max_inflight:
                 raise QueueFull(f"{self._inflight} requests in flight (limit {self.max_inflight})")
             self._inflight += 1
-        rid = rid or uuid.uuid4().hex
-        kwargs["request_id"] = rid
         loop = asyncio.get_running_loop()
         live = _Live(rid, loop, asyncio.Queue(), time.perf_counter())
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Command("call", rid, method, args, kwargs, live, done))
+        self._cmds.put(_Command("add", rid, add, live, done))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -233,10 +237,10 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(live, out)
             return
-        if cmd.kind != "call" or cmd.live is None or cmd.done is None:
+        if cmd.kind != "add" or cmd.add is None or cmd.live is None or cmd.done is None:
             return
         try:
-            getattr(self.engine, cmd.method)(*cmd.args, **cmd.kwargs)
+            cmd.add(self.engine)
         except Exception as exc:
             self._release()
             if self.metrics:
@@ -270,12 +274,12 @@ class AsyncEngine:
                 self._finish(live, "error" if out.error else out.finish_reason or "stop", out)
             self._deliver(live, out)
         if not outs and self.engine.stats.steps == steps:
-            if not self.engine.scheduler.has_work() and self.engine.has_unfinished():
+            if self.engine.stalled():
                 self._fail_all("the engine stalled with unfinished requests")
             else:
                 time.sleep(0.001)
 
-    def _observe(self, live: _Live, out: Any, now: float) -> None:
+    def _observe(self, live: _Live, out: RequestOutput, now: float) -> None:
         n = len(out.token_ids)
         new = n - live.tokens
         if new <= 0:
@@ -293,7 +297,7 @@ class AsyncEngine:
         live.tokens = n
         live.last = now
 
-    def _finish(self, live: _Live, outcome: str, out: Any = None) -> None:
+    def _finish(self, live: _Live, outcome: str, out: RequestOutput | None = None) -> None:
         self._release()
         m = self.metrics
         if m is None:
@@ -308,7 +312,7 @@ class AsyncEngine:
         with self._lock:
             self._inflight -= 1
 
-    def _deliver(self, live: _Live, item: Any) -> None:
+    def _deliver(self, live: _Live, item: RequestOutput | BaseException) -> None:
         try:
             live.loop.call_soon_threadsafe(live.queue.put_nowait, item)
         except RuntimeError:
@@ -324,7 +328,7 @@ class AsyncEngine:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd.kind == "call" and cmd.done is not None and not cmd.done.done():
+            if cmd.kind == "add" and cmd.done is not None and not cmd.done.done():
                 self._release()
                 cmd.done.set_exception(EngineDead(message))
 
@@ -333,34 +337,21 @@ class AsyncEngine:
             self._take_snapshot()
 
     def _take_snapshot(self) -> None:
-        e = self.engine
+        s = self.engine.state()
         self._snap_at = time.perf_counter()
-        c = e.integrity.counters
         self._snapshot = EngineSnapshot(
             ready=self._dead is None and not self._stop.is_set(),
             pools=[
-                KVPoolState(
-                    name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, getattr(p, "kv_format", "")
-                )
-                for name, p in engine_pools(e).items()
+                KVPoolState(p.name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, p.kv_format)
+                for p in s.pools
             ],
-            running=e.num_running,
-            waiting=e.num_waiting,
-            integrity_mode=getattr(e.integrity, "mode", e.config.integrity),
-            integrity=dataclasses.asdict(c),
-            weight_bytes=self._weight_bytes,
-            formats=e.config.formats.as_dict(),
-            prefix_hit_tokens=getattr(e.scheduler, "prefix_hit_tokens", 0),
+            running=s.running,
+            waiting=s.waiting,
+            integrity_mode=s.integrity_mode,
+            integrity=s.integrity,
+            weight_bytes=s.weight_bytes,
+            formats=s.formats,
+            prefix_hit_tokens=s.prefix_hit_tokens,
             generation_tokens=self.generated_tokens,
             model=self.model_name,
         )
-
-
-def engine_pools(engine: Any) -> dict[str, Any]:
-    """The engine's KV page pools by name: one shared pool, or a prefill and a decode pool."""
-    pools = [getattr(engine, "prefill_pool", None), engine.pool]
-    out: dict[str, Any] = {}
-    for p in pools:
-        if p is not None and all(p is not q for q in out.values()):
-            out[p.name] = p
-    return out

@@ -30,8 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.engine.llm_engine import CapacityError
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
+from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
 from pagoda.node_agent.serving.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed
 from pagoda.node_agent.serving.backend import StreamChunk
 from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender, TransferError

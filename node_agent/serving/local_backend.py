@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagoda.node_agent.engine.llm_engine import CapacityError
-from pagoda.node_agent.engine.sequence import RequestError
+from pagoda.node_agent.engine.sequence import CapacityError, RequestError
 from pagoda.node_agent.serving.async_engine import (
     AsyncEngine,
     EngineDead,

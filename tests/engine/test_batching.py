@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.sequence import SamplingParams
 
 from .prompts import CHAT_PROMPTS, PLAIN_PROMPTS
@@ -74,7 +75,7 @@ def test_preemption_under_tiny_kv_budget_keeps_output(make_engine, prompts, refe
 
     probe = make_engine(kv_memory=1 << 20)
     per_page = KVPagePool.bytes_per_page(
-        probe.model_config.num_layers, 16, probe._kv_components(), probe.dtype
+        probe.model_config.num_layers, 16, kv_components(probe.model_config), probe.dtype
     )
     eng = make_engine(kv_memory=12 * per_page, max_num_batched_tokens=64)
     assert eng.pool.num_pages == 12

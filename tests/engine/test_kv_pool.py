@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
+from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.sequence import SamplingParams
 
 COMPS = {"k": (2, 8), "v": (2, 8)}
@@ -74,7 +75,9 @@ def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
     from pagoda.node_agent.engine.kv_pool import KVPagePool as Pool
 
     probe = make_engine(kv_memory=1 << 20)
-    per_page = Pool.bytes_per_page(probe.model_config.num_layers, 16, probe._kv_components(), probe.dtype)
+    per_page = Pool.bytes_per_page(
+        probe.model_config.num_layers, 16, kv_components(probe.model_config), probe.dtype
+    )
     eng = make_engine(kv_memory=10 * per_page, max_num_batched_tokens=32)
     tags_before = list(eng.pool._tags)
     rng = random.Random(0)

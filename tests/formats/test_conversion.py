@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels.paged_attention import write_kv
-from pagoda.node_agent.engine.handoff import allocate_pages, extract_pages, migrate
+from pagoda.node_agent.engine.handoff import extract_pages, migrate
 from pagoda.node_agent.engine.scheduler import ScheduledStep
 from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 
@@ -15,7 +15,7 @@ TEXT = "Pages of a key-value cache move from the prefill pool to the decode pool
 def _prefill_into(engine, pool, ids):
     """Prefill ``ids`` into fresh pages of ``pool`` with the prefill weights; returns the refs."""
     seq = Sequence("conv", ids, SamplingParams(max_tokens=1))
-    seq.block_table = allocate_pages(pool, -(-len(ids) // pool.page_size))
+    seq.block_table = pool.allocate_pages(-(-len(ids) // pool.page_size))
     batch, _ = engine.runner.build_batch(ScheduledStep("prefill", [seq], [len(ids)]), pool)
     engine.model.forward_no_logits(batch)
     return seq.block_table
@@ -37,7 +37,7 @@ def test_migrated_pages_equal_fp8_written_directly(fp8_kv_engine) -> None:
     moved = migrate(src, dst, refs)
     migrated = _bytes(extract_pages(dst, moved)[0], n)
     # the same K/V written straight into fresh fp8 pages (the path decode steps take)
-    direct_refs = allocate_pages(dst, len(moved))
+    direct_refs = dst.allocate_pages(len(moved))
     slots = torch.tensor(
         [direct_refs[i // dst.page_size].page * dst.page_size + i % dst.page_size for i in range(n)]
     )

@@ -1,0 +1,104 @@
+"""Sizing the KV page pools from the memory budget, and calibrating FP8 page scales at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_kv_scales
+from pagoda.node_agent.engine.calibration import CALIBRATION_TEXT
+from pagoda.node_agent.engine.config import EngineConfig
+from pagoda.node_agent.engine.kv_pool import KVPagePool, storage_dtype
+from pagoda.node_agent.engine.model_runner import ModelRunner
+from pagoda.node_agent.models.config import ModelConfig
+from pagoda.node_agent.models.tokenizer import Tokenizer
+
+log = logging.getLogger("pagoda.engine")
+
+
+def kv_components(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """What one token stores per layer: K and V per KV head (GQA)."""
+    return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for all KV pools: the configured size, a share of free GPU memory, or the CPU default."""
+    if config.kv_memory is not None:
+        return config.kv_memory
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_memory_fraction)
+    return config.cpu_kv_default
+
+
+class PoolBuilder:
+    """Builds a worker's KV pools for one model, dtype and device; FP8 pools are calibrated."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.dtype = dtype
+        self.device = device
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.components = kv_components(model_config)
+
+    def pools(self) -> tuple[KVPagePool, KVPagePool]:
+        """(prefill pool, decode pool): one shared pool when both phases use the same KV format."""
+        f = self.config.formats
+        budget = kv_budget_bytes(self.config, self.device)
+        only = {"prefill": f.prefill_kv, "decode": f.decode_kv}.get(self.config.role)
+        if only or f.prefill_kv == f.decode_kv:
+            pool = self.pool(only or f.decode_kv, budget, "kv")
+            return pool, pool
+        pre = int(budget * self.config.prefill_kv_fraction)
+        return (
+            self.pool(f.prefill_kv, pre, "prefill-kv"),
+            self.pool(f.decode_kv, budget - pre, "decode-kv"),
+        )
+
+    def pool(self, kv_format: str, budget: int, name: str) -> KVPagePool:
+        """As many pages of ``kv_format`` as ``budget`` bytes hold (scales calibrated for FP8)."""
+        dt = storage_dtype(kv_format, self.dtype)
+        n = self.model_config.num_layers
+        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.components, dt)
+        pool = KVPagePool(
+            n, pages, self.config.page_size, self.components, dt, self.device, kv_format=kv_format, name=name
+        )
+        if pool.scales is not None:
+            self.calibrate(pool)
+        return pool
+
+    @torch.inference_mode()
+    def calibrate(self, pool: KVPagePool) -> None:
+        """Static FP8 scales per layer and KV head from the K/V of a short built-in text."""
+        ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.max_model_len]
+        n = len(ids)
+        tmp = KVPagePool(
+            self.model_config.num_layers,
+            -(-n // self.config.page_size),
+            self.config.page_size,
+            self.components,
+            self.dtype,
+            self.device,
+            name="calibration",
+        )
+        self.runner.score(ids, tmp, phase="prefill")
+        for layer, scales in zip(tmp.layers, pool.scales, strict=True):
+            ks, vs = calibrate_kv_scales(
+                layer["k"].flatten(0, 1)[:n], layer["v"].flatten(0, 1)[:n], headroom=RECOMMENDED_KV_HEADROOM
+            )
+            scales["k"].copy_(ks)
+            scales["v"].copy_(vs)
+        log.info("calibrated FP8 KV scales of %s on %d tokens", pool.name, n)

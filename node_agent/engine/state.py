@@ -1,0 +1,47 @@
+"""Counters and a typed snapshot of an engine, for servers, reporters and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Running totals the engine loop keeps."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    migrations: int = 0  # sequences moved from the prefill pool to the decode pool
+    step_seconds: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """One KV page pool's occupancy."""
+
+    name: str
+    kv_format: str
+    num_pages: int
+    num_used: int
+    page_size: int
+    capacity_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What an engine holds and has done, read on the engine's own thread (``LLMEngine.state()``)."""
+
+    model: str
+    formats: dict[str, str]
+    pools: list[PoolState]
+    running: int
+    waiting: int
+    integrity_mode: str
+    integrity: dict[str, int]  # every IntegrityCounters field
+    weight_bytes: int
+    prefix_hit_tokens: int
+    preemptions: int
+    stats: EngineStats
