@@ -1,0 +1,70 @@
+"""Starting ``pagoda serve`` processes locally and waiting for them to be ready."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+AGENT_MODULE = "pagoda.node_agent.cli.main"  # the ``pagoda`` command, run as ``python -m``
+
+
+def agent_command(*args: str) -> list[str]:
+    """``python -P -m pagoda.node_agent.cli.main ARGS`` with this interpreter."""
+    return [sys.executable, "-P", "-m", AGENT_MODULE, *args]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    """Poll ``url``/ready until 200; RuntimeError if one of ``procs`` exits first or time runs out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+def start_server(
+    engine_argv: list[str], port: int, disaggregated: bool = False, timeout: float = 600
+) -> subprocess.Popen:
+    """``pagoda serve --port PORT ENGINE_ARGV`` (``--disaggregated``: router + both workers), ready."""
+    cmd = agent_command("serve", "--port", str(port), *engine_argv)
+    if disaggregated:
+        cmd.append("--disaggregated")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", [proc], timeout=timeout)
+    except BaseException:
+        stop([proc])
+        raise
+    if disaggregated:
+        time.sleep(1.0)  # the router's first health poll
+    return proc
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 10) -> None:
+    """SIGTERM every process still running, then wait; kill the ones that outlive ``timeout``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
