@@ -1,38 +1,12 @@
-"""``pagoda bench ...``: benchmarks that write JSON and a PNG plot, ratios against a same-run baseline."""
+"""Decode benchmark: aggregate decode tok/s and TTFT against transformers ``generate`` on the same weights."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-BENCH_PROMPTS = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain how a refrigerator works to a ten year old.",
-    "List five ideas for a weekend trip in the mountains and explain each one.",
-    "Describe the water cycle in detail, step by step.",
-    "What are the main differences between a violin and a cello?",
-    "Give me a recipe for a simple vegetable soup and explain each step.",
-    "Why is the sky blue? Answer with a careful physical explanation.",
-    "Summarize the plot of a detective novel you would like to write.",
-]
-
-
-def bench_prompts(n: int, salt: str = "") -> list[str]:
-    """n distinct prompts (a numbered variant of the base set, so no two share a prefix page)."""
-    return [f"[{salt}{i}] {BENCH_PROMPTS[i % len(BENCH_PROMPTS)]}" for i in range(n)]
-
-
-def parse_int_list(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError("concurrency values must be positive integers")
-    return vals
+from pagoda.node_agent.bench.common import Log, bench_prompts, echo, plot_lines
+from pagoda.node_agent.engine.config import EngineConfig
 
 
 def run_pagoda_decode(engine, prompts: list[str], max_tokens: int) -> dict:
@@ -102,106 +76,55 @@ def load_hf_reference(model_source: str, dtype):
     return model, tok
 
 
-def cmd_bench_decode(a: argparse.Namespace) -> int:
-    from pagoda.node_agent.cli.main import engine_config_from_args
+def bench_decode(
+    cfg: EngineConfig, concurrency: list[int], max_tokens: int = 64, baseline: bool = True, log: Log = echo
+) -> dict:
+    """Pagoda (and, with ``baseline``, transformers) at each concurrency; the JSON-ready result."""
     from pagoda.node_agent.engine.llm_engine import LLMEngine
 
-    cfg = engine_config_from_args(a)
     engine = LLMEngine(cfg)
     rows = []
-    print(f"{'engine':<14}{'conc':>6}{'decode tok/s':>14}{'TTFT s':>10}")
-    for c in a.concurrency:
+    log(f"{'engine':<14}{'conc':>6}{'decode tok/s':>14}{'TTFT s':>10}")
+    for c in concurrency:
         prompts = bench_prompts(c, salt=f"c{c}-")
-        r = run_pagoda_decode(engine, prompts, a.max_tokens)
+        r = run_pagoda_decode(engine, prompts, max_tokens)
         rows.append({"engine": "pagoda", "concurrency": c, **r})
-        print(f"{'pagoda':<14}{c:>6}{r['decode_tok_s']:>14.1f}{r['ttft_s']:>10.3f}", flush=True)
-    if not a.no_baseline:
+        log(f"{'pagoda':<14}{c:>6}{r['decode_tok_s']:>14.1f}{r['ttft_s']:>10.3f}")
+    if baseline:
         model, tok = load_hf_reference(cfg.model, engine.dtype)
-        for c in a.concurrency:
-            r = run_hf_decode(model, tok, bench_prompts(c, salt=f"c{c}-"), a.max_tokens)
+        for c in concurrency:
+            r = run_hf_decode(model, tok, bench_prompts(c, salt=f"c{c}-"), max_tokens)
             rows.append({"engine": "transformers", "concurrency": c, **r})
-            print(f"{'transformers':<14}{c:>6}{r['decode_tok_s']:>14.1f}{r['ttft_s']:>10.3f}", flush=True)
+            log(f"{'transformers':<14}{c:>6}{r['decode_tok_s']:>14.1f}{r['ttft_s']:>10.3f}")
     ratios = {}
-    for c in a.concurrency:
+    for c in concurrency:
         p = [r for r in rows if r["engine"] == "pagoda" and r["concurrency"] == c]
         h = [r for r in rows if r["engine"] == "transformers" and r["concurrency"] == c]
         if p and h:
             ratios[str(c)] = p[0]["decode_tok_s"] / h[0]["decode_tok_s"]
     if ratios:
-        print(
+        log(
             "pagoda/transformers decode throughput: "
             + ", ".join(f"c{c}: {v:.2f}x" for c, v in ratios.items())
         )
-    result = {
+    return {
         "bench": "decode",
         "model": cfg.model,
         "dtype": str(engine.dtype),
-        "max_tokens": a.max_tokens,
+        "max_tokens": max_tokens,
         "formats": cfg.formats.as_dict(),
         "rows": rows,
         "speedup_vs_transformers": ratios,
     }
-    write_result(
-        a.json,
-        result,
-        lambda path: plot_lines(
-            path,
-            rows,
-            key="engine",
-            x="concurrency",
-            y="decode_tok_s",
-            title=f"decode throughput ({cfg.model}, {engine.dtype})",
-            ylabel="aggregate decode tokens/s",
-        ),
+
+
+def plot_decode(path: Path, result: dict) -> None:
+    plot_lines(
+        path,
+        result["rows"],
+        key="engine",
+        x="concurrency",
+        y="decode_tok_s",
+        title=f"decode throughput ({result['model']}, {result['dtype']})",
+        ylabel="aggregate decode tokens/s",
     )
-    return 0
-
-
-def write_result(json_path: str | None, result: dict, plot: Callable[[Path], None]) -> None:
-    if not json_path:
-        return
-    path = Path(json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    png = path.with_suffix(".png")
-    plot(png)
-    print(f"wrote {path} and {png}")
-
-
-def plot_lines(path: Path, rows: list[dict], key: str, x: str, y: str, title: str, ylabel: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in dict.fromkeys(r[key] for r in rows):
-        pts = sorted((r[x], r[y]) for r in rows if r[key] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(x)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
-    bs = b.add_subparsers(dest="bench", required=True)
-    d = bs.add_parser("decode", help="aggregate decode tok/s and TTFT vs transformers generate")
-    add_engine_args(d)
-    d.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
-    d.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    d.set_defaults(func=cmd_bench_decode)
-    from pagoda.node_agent.bench.integrity import add_integrity_bench_parser
-
-    add_integrity_bench_parser(bs, add_engine_args)
-    from pagoda.node_agent.bench.formats import add_format_bench_parsers
-
-    add_format_bench_parsers(bs, add_engine_args)

@@ -1,4 +1,4 @@
-"""``pagoda eval``: quality of decode weight/KV formats against the float32 reference.
+"""Quality evaluation (``pagoda eval``): decode weight/KV formats against the float32 reference.
 
 Every format entry is ``DECODE_WEIGHTS/DECODE_KV`` (prefill stays dense) or a full ``PW/PKV/DW/DKV``.
 Each is compared with the reference (float32 dense weights, float32 KV) on the same tokens:
@@ -14,16 +14,16 @@ Each is compared with the reference (float32 dense weights, float32 KV) on the s
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pagoda.node_agent.bench.common import EngineFactory, Log, echo, engine_factory, set_threads
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 
 EVAL_TEXT = (
@@ -79,19 +79,6 @@ class EvalRow:
     seconds: float
 
 
-def parse_format_list(text: str) -> list[str]:
-    """'int4/fp8,bf16/bf16' -> entries, each validated (ConfigError on a bad one)."""
-    entries = [e.strip() for e in text.split(",") if e.strip()]
-    if not entries:
-        raise argparse.ArgumentTypeError("no formats given")
-    for e in entries:
-        try:
-            PhaseFormats.parse(e)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from exc
-    return entries
-
-
 def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
     """(mean KL(ref || other) over positions, top-1 agreement) of two [T, V] logit sets."""
     lp_ref = F.log_softmax(ref_logits.double(), dim=-1)
@@ -128,24 +115,6 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[floa
     return sum(fracs) / len(fracs), same / len(ref)
 
 
-EngineFactory = Callable[..., object]
-
-
-def default_factory(model: str) -> EngineFactory:
-    """Engines over one load of ``model`` (weights and tokenizer shared)."""
-    from pagoda.node_agent.engine.llm_engine import LLMEngine
-    from pagoda.node_agent.models.loader import load_model
-    from pagoda.node_agent.models.tokenizer import Tokenizer
-
-    loaded = load_model(model)
-    tok = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
-
-    def make(**kw):
-        return LLMEngine(EngineConfig(model=model, **kw), loaded=loaded, tokenizer=tok)
-
-    return make
-
-
 def run_eval(
     make_engine: EngineFactory,
     entries: list[str],
@@ -154,7 +123,7 @@ def run_eval(
     max_new_tokens: int = 24,
     text: str = EVAL_TEXT,
     prompts: list[str] | None = None,
-    log: Callable[[str], None] = print,
+    log: Log = echo,
     max_text_tokens: int | None = None,
 ) -> dict:
     """Score every entry against the float32 reference; returns the JSON-ready result."""
@@ -214,7 +183,7 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_eval(path, result: dict) -> None:
+def plot_eval(path: Path, result: dict) -> None:
     """Bar charts: mean KL, top-1 agreement, greedy prefix agreement per format."""
     import matplotlib
 
@@ -240,46 +209,27 @@ def plot_eval(path, result: dict) -> None:
     plt.close(fig)
 
 
-def cmd_eval(a: argparse.Namespace) -> int:
-    from pagoda.node_agent.bench.decode import write_result
-    from pagoda.node_agent.engine.config import parse_bytes
-
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    entries = a.formats
-    if a.prefill_weights or a.prefill_kv:  # the prefill flags apply to every short entry
-        pre = f"{a.prefill_weights or 'bf16'}/{a.prefill_kv or 'bf16'}"
-        entries = [e if e.count("/") == 3 else f"{pre}/{e}" for e in entries]
-        for e in entries:
-            PhaseFormats.parse(e)
+def bench_eval(
+    cfg: EngineConfig,
+    entries: list[str],
+    max_new_tokens: int = 24,
+    num_prompts: int = len(EVAL_PROMPTS),
+    max_text_tokens: int | None = None,
+    threads: int | None = None,
+    log: Log = echo,
+) -> dict:
+    """``run_eval`` over one load of ``cfg.model``, KV budget ``cfg.kv_memory`` (default 64 MiB)."""
+    set_threads(threads)
     result = run_eval(
-        default_factory(a.model),
+        engine_factory(cfg),
         entries,
-        dtype=a.dtype,
-        kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else 64 << 20,
-        max_new_tokens=a.max_new_tokens,
-        prompts=EVAL_PROMPTS[: a.num_prompts],
-        max_text_tokens=a.max_text_tokens,
+        dtype=cfg.dtype,
+        kv_memory=cfg.kv_memory or 64 << 20,
+        max_new_tokens=max_new_tokens,
+        prompts=EVAL_PROMPTS[:num_prompts],
+        log=log,
+        max_text_tokens=max_text_tokens,
     )
-    result["model"] = a.model
-    print(format_table(result))
-    write_result(a.json, result, lambda p: plot_eval(p, result))
-    return 0
-
-
-def add_eval_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``pagoda eval``."""
-    e = sub.add_parser("eval", help="KL / top-1 / perplexity / greedy agreement of formats vs float32")
-    add_engine_args(e)
-    e.add_argument(
-        "--formats",
-        type=parse_format_list,
-        default=parse_format_list(DEFAULT_FORMATS),
-        help=f"comma-separated DECODE_WEIGHTS/DECODE_KV (or PW/PKV/DW/DKV); default {DEFAULT_FORMATS}",
-    )
-    e.add_argument("--max-new-tokens", type=int, default=24)
-    e.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
-    e.add_argument("--max-text-tokens", type=int, default=None, help="score only this many text tokens")
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
-    e.add_argument("--json", default=None, help="write results here (and a PNG bar chart beside it)")
-    e.set_defaults(func=cmd_eval)
+    result["model"] = cfg.model
+    log(format_table(result))
+    return result

@@ -1,4 +1,5 @@
-"""``pagoda bench kv`` and ``pagoda bench weights``: what the per-phase formats buy, measured.
+"""Format benchmarks (``pagoda bench kv`` and ``pagoda bench weights``): what the per-phase formats
+buy, measured.
 
 bench kv: for one KV byte budget, the exact capacity (pages, tokens, sequences) of a bf16 and an
 fp8_e4m3 pool, and aggregate decode tok/s at several concurrencies with prompts sized so that bf16
@@ -10,21 +11,16 @@ weights, plus resident weight bytes; ratios against dense are measured in the sa
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from pagoda.node_agent.bench.decode import (
-    bench_prompts,
-    parse_int_list,
-    plot_lines,
-    run_pagoda_decode,
-    write_result,
-)
-from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats, parse_bytes
+from pagoda.node_agent.bench.common import Log, bench_prompts, echo, engine_factory, plot_lines, set_threads
+from pagoda.node_agent.bench.decode import run_pagoda_decode
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
@@ -54,27 +50,6 @@ def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
         "bytes_per_page": per_page,
         "bytes_per_token": per_page / page_size,
     }
-
-
-def _engine_factory(a: argparse.Namespace) -> Callable[..., object]:
-    from pagoda.node_agent.engine.llm_engine import LLMEngine
-    from pagoda.node_agent.models.loader import load_model
-    from pagoda.node_agent.models.tokenizer import Tokenizer
-
-    loaded = load_model(a.model)
-    tok = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
-
-    def make(**kw):
-        kw.setdefault("dtype", a.dtype)
-        kw.setdefault("device", a.device)
-        kw.setdefault("page_size", a.page_size)
-        kw.setdefault("max_num_batched_tokens", a.max_num_batched_tokens)
-        kw.setdefault("integrity", a.integrity)
-        kw.setdefault("kernel_backend", a.kernels)
-        kw.setdefault("enable_prefix_caching", False)
-        return LLMEngine(EngineConfig(model=a.model, **kw), loaded=loaded, tokenizer=tok)
-
-    return make
 
 
 def sized_prompts(engine, n: int, tokens: int, salt: str) -> list[list[int]]:
@@ -116,33 +91,42 @@ def run_queued_decode(engine, prompts: list[list[int]], max_tokens: int) -> dict
 # ---------------------------------------------------------------- bench kv
 
 
-def cmd_bench_kv(a: argparse.Namespace) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    make = _engine_factory(a)
-    budget = parse_bytes(a.kv_memory) if a.kv_memory else DEFAULT_KV_BUDGET
+def bench_kv(
+    cfg: EngineConfig,
+    concurrency: list[int],
+    max_tokens: int = 24,
+    pages_per_seq: int | None = None,
+    threads: int | None = 1,
+    log: Log = echo,
+) -> dict:
+    """bf16 vs fp8_e4m3 KV under the budget ``cfg.kv_memory`` (default 64 MiB); the JSON-ready result.
+
+    ``pages_per_seq`` defaults to filling 85% of the fp8 pool at the top concurrency."""
+    set_threads(threads)
+    make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
+    budget = cfg.kv_memory or DEFAULT_KV_BUDGET
     probe = make(formats=PhaseFormats.reference(), kv_memory=1 << 20)
-    cfg, ps = probe.model_config, a.page_size
-    caps = {f: kv_capacity(cfg, budget, ps, f) for f in KV_CACHE_FORMATS}
+    mc, ps = probe.model_config, cfg.page_size
+    caps = {f: kv_capacity(mc, budget, ps, f) for f in KV_CACHE_FORMATS}
     # the design default: a bf16 prefill pool (prefill_kv_fraction of the budget) + an fp8 decode pool
     frac = EngineConfig().prefill_kv_fraction
-    split_decode = kv_capacity(cfg, budget - int(budget * frac), ps, "fp8_e4m3")
-    cmax = max(a.concurrency)
-    pages_per_seq = a.pages_per_seq or max(1, int(0.85 * caps["fp8_e4m3"]["pages"] / cmax))
+    split_decode = kv_capacity(mc, budget - int(budget * frac), ps, "fp8_e4m3")
+    cmax = max(concurrency)
+    pages_per_seq = pages_per_seq or max(1, int(0.85 * caps["fp8_e4m3"]["pages"] / cmax))
     seq_tokens = pages_per_seq * ps
-    max_tokens = min(a.max_tokens, seq_tokens // 2)
+    max_tokens = min(max_tokens, seq_tokens // 2)
     prompt_tokens = seq_tokens - max_tokens
     for f in KV_CACHE_FORMATS:
         caps[f]["max_seqs"] = caps[f]["pages"] // pages_per_seq
     ratio = caps["fp8_e4m3"]["tokens"] / caps["bf16"]["tokens"]
-    print(f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens, {seq_tokens} tokens per sequence")
+    log(f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens, {seq_tokens} tokens per sequence")
     for f in KV_CACHE_FORMATS:
         c = caps[f]
-        print(
+        log(
             f"  {f:<9} {c['pages']:>6} pages {c['tokens']:>7} tokens "
             f"{c['bytes_per_token']:>7.1f} B/token  max {c['max_seqs']} sequences"
         )
-    print(
+    log(
         f"  fp8/bf16 capacity: {ratio:.3f}x (split bf16 prefill + fp8 decode: {split_decode['tokens']} decode tokens)"
     )
     engines = {}
@@ -150,27 +134,26 @@ def cmd_bench_kv(a: argparse.Namespace) -> int:
         # a bf16 pool on a float32-compute CPU stores 4-byte pages: give it the page count a true
         # 2-byte bf16 pool holds in the budget, so both engines hold what the budget buys
         dt = probe.dtype
-        per_page = KVPagePool.bytes_per_page(cfg.num_layers, ps, _components(cfg), dt)
+        per_page = KVPagePool.bytes_per_page(mc.num_layers, ps, _components(mc), dt)
         mem = budget if (f == "fp8_e4m3" or dt == TRUE_BF16) else caps[f]["pages"] * per_page
         kv = PhaseFormats("bf16", f, "bf16", f)
         engines[f] = make(formats=kv, kv_memory=mem, max_num_seqs=max(cmax, 1))
         assert engines[f].pool.num_pages == caps[f]["pages"], (f, engines[f].pool.num_pages)
     del probe
     rows = []
-    print(f"{'kv':<10}{'conc':>6}{'decode tok/s':>14}{'preempt':>9}{'peak run':>10}{'total s':>9}")
-    for c in a.concurrency:
+    log(f"{'kv':<10}{'conc':>6}{'decode tok/s':>14}{'preempt':>9}{'peak run':>10}{'total s':>9}")
+    for c in concurrency:
         for f in KV_CACHE_FORMATS:
             prompts = sized_prompts(engines[f], c, prompt_tokens, salt=f"kv{c}-")
             r = run_queued_decode(engines[f], prompts, max_tokens)
             rows.append({"kv": f, "concurrency": c, **r})
-            print(
+            log(
                 f"{f:<10}{c:>6}{r['decode_tok_s']:>14.1f}{r['preemptions']:>9}{r['peak_running']:>10}"
-                f"{r['total_s']:>9.1f}",
-                flush=True,
+                f"{r['total_s']:>9.1f}"
             )
-    result = {
+    return {
         "bench": "kv",
-        "model": a.model,
+        "model": cfg.model,
         "dtype": str(engines["bf16"].dtype),
         "threads": torch.get_num_threads(),
         "kv_budget_bytes": budget,
@@ -183,20 +166,18 @@ def cmd_bench_kv(a: argparse.Namespace) -> int:
         "split_default_decode_capacity_tokens": split_decode["tokens"],
         "rows": rows,
     }
-    write_result(
-        a.json,
-        result,
-        lambda p: plot_lines(
-            p,
-            rows,
-            key="kv",
-            x="concurrency",
-            y="decode_tok_s",
-            title=f"decode tok/s under a {budget / 2**20:.0f} MiB KV budget",
-            ylabel="aggregate decode tokens/s",
-        ),
+
+
+def plot_kv(path: Path, result: dict) -> None:
+    plot_lines(
+        path,
+        result["rows"],
+        key="kv",
+        x="concurrency",
+        y="decode_tok_s",
+        title=f"decode tok/s under a {result['kv_budget_bytes'] / 2**20:.0f} MiB KV budget",
+        ylabel="aggregate decode tokens/s",
     )
-    return 0
 
 
 # ---------------------------------------------------------------- bench weights
@@ -230,108 +211,89 @@ def weight_byte_figures(engines: dict) -> dict:
     return out
 
 
-def cmd_bench_weights(a: argparse.Namespace) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    make = _engine_factory(a)
-    kv_mem = parse_bytes(a.kv_memory) if a.kv_memory else 256 << 20
+def bench_weights(
+    cfg: EngineConfig,
+    concurrency: list[int],
+    max_tokens: int = 32,
+    prefill_tokens: int = 256,
+    prefill_prompts: int = 4,
+    repeats: int = 3,
+    threads: int | None = 1,
+    log: Log = echo,
+) -> dict:
+    """bf16 vs fp8 vs int4 weights: decode and prefill tok/s, resident bytes; the JSON-ready result.
+
+    ``repeats``: medians over this many runs at concurrency 1 and for prefill."""
+    set_threads(threads)
+    make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
+    kv_mem = cfg.kv_memory or 256 << 20
     engines = {
-        f: make(formats=PhaseFormats(f, "bf16", f, "bf16"), kv_memory=kv_mem, max_num_seqs=max(a.concurrency))
+        f: make(formats=PhaseFormats(f, "bf16", f, "bf16"), kv_memory=kv_mem, max_num_seqs=max(concurrency))
         for f in WEIGHT_FORMATS
     }
     rows = []
-    print(f"{'weights':<9}{'phase':<9}{'conc':>6}{'tok/s':>10}")
+    log(f"{'weights':<9}{'phase':<9}{'conc':>6}{'tok/s':>10}")
 
     def record(f: str, phase: str, c: int, vals: list[float]) -> None:
         rows.append({"weights": f, "phase": phase, "concurrency": c, "tok_s": statistics.median(vals)})
-        print(f"{f:<9}{phase:<9}{c:>6}{rows[-1]['tok_s']:>10.1f}", flush=True)
+        log(f"{f:<9}{phase:<9}{c:>6}{rows[-1]['tok_s']:>10.1f}")
 
-    for c in a.concurrency:
-        reps = a.repeats if c == 1 else 1  # medians where a run is cheap
+    for c in concurrency:
+        reps = repeats if c == 1 else 1  # medians where a run is cheap
         vals: dict[str, list[float]] = {f: [] for f in WEIGHT_FORMATS}
         for i in range(reps):
             for f in WEIGHT_FORMATS:  # interleaved, so drift of a shared machine hits all alike
-                r = run_pagoda_decode(engines[f], bench_prompts(c, salt=f"w{c}-{i}-"), a.max_tokens)
+                r = run_pagoda_decode(engines[f], bench_prompts(c, salt=f"w{c}-{i}-"), max_tokens)
                 vals[f].append(r["decode_tok_s"])
         for f in WEIGHT_FORMATS:
             record(f, "decode", c, vals[f])
     pvals: dict[str, list[float]] = {f: [] for f in WEIGHT_FORMATS}
-    for i in range(a.repeats):
+    for i in range(repeats):
         for f in WEIGHT_FORMATS:
-            prompts = sized_prompts(engines[f], a.prefill_prompts, a.prefill_tokens, salt=f"p{i}-")
+            prompts = sized_prompts(engines[f], prefill_prompts, prefill_tokens, salt=f"p{i}-")
             pvals[f].append(_prefill_tok_s(engines[f], prompts))
     for f in WEIGHT_FORMATS:
-        record(f, "prefill", a.prefill_tokens, pvals[f])
+        record(f, "prefill", prefill_tokens, pvals[f])
     sizes = weight_byte_figures(engines)
     speed = {}
-    for phase, c in [("decode", c) for c in a.concurrency] + [("prefill", a.prefill_tokens)]:
+    for phase, c in [("decode", c) for c in concurrency] + [("prefill", prefill_tokens)]:
         by = {r["weights"]: r["tok_s"] for r in rows if r["phase"] == phase and r["concurrency"] == c}
         speed[f"{phase}_c{c}" if phase == "decode" else phase] = {
             f: by[f] / by["bf16"] for f in WEIGHT_FORMATS if f != "bf16"
         }
     mib = 2**20
-    print("weight bytes (MiB, whole model / blocks' linear layers):")
+    log("weight bytes (MiB, whole model / blocks' linear layers):")
     for f in WEIGHT_FORMATS:
-        print(
-            f"  {f:<5} {sizes['weight_bytes'][f] / mib:8.1f} / {sizes['linear_weight_bytes'][f] / mib:8.1f}"
-        )
-    print(
+        log(f"  {f:<5} {sizes['weight_bytes'][f] / mib:8.1f} / {sizes['linear_weight_bytes'][f] / mib:8.1f}")
+    log(
         f"int4 linear bytes: {sizes['int4_linear_ratio_vs_dense']:.3f}x of dense {engines['bf16'].dtype}, "
         f"{sizes['int4_linear_ratio_vs_true_bf16']:.3f}x of a true 2-byte bf16"
     )
-    print(
+    log(
         "speed vs dense: "
         + ", ".join(f"{k}: " + "/".join(f"{f} {v:.2f}x" for f, v in d.items()) for k, d in speed.items())
     )
-    result = {
+    return {
         "bench": "weights",
-        "model": a.model,
+        "model": cfg.model,
         "dtype": str(engines["bf16"].dtype),
         "threads": torch.get_num_threads(),
-        "max_tokens": a.max_tokens,
-        "repeats": a.repeats,
-        "prefill_prompts": a.prefill_prompts,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "prefill_prompts": prefill_prompts,
         "rows": rows,
         "speedup_vs_dense": speed,
         **sizes,
     }
-    write_result(
-        a.json,
-        result,
-        lambda p: plot_lines(
-            p,
-            [r for r in rows if r["phase"] == "decode"],
-            key="weights",
-            x="concurrency",
-            y="tok_s",
-            title=f"decode tok/s by weight format ({engines['bf16'].dtype} compute)",
-            ylabel="aggregate decode tokens/s",
-        ),
-    )
-    return 0
 
 
-def add_format_bench_parsers(bs, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register ``pagoda bench kv`` and ``pagoda bench weights`` under ``pagoda bench``."""
-    k = bs.add_parser("kv", help="KV capacity and decode tok/s: bf16 vs fp8_e4m3 under one budget")
-    add_engine_args(k)
-    k.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
-    k.add_argument("--max-tokens", type=int, default=24, help="new tokens per sequence (at most)")
-    k.add_argument(
-        "--pages-per-seq", type=int, default=None, help="default: fills 85%% of fp8 at top concurrency"
+def plot_weights(path: Path, result: dict) -> None:
+    plot_lines(
+        path,
+        [r for r in result["rows"] if r["phase"] == "decode"],
+        key="weights",
+        x="concurrency",
+        y="tok_s",
+        title=f"decode tok/s by weight format ({result['dtype']} compute)",
+        ylabel="aggregate decode tokens/s",
     )
-    k.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
-    k.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
-    k.set_defaults(func=cmd_bench_kv)
-    w = bs.add_parser("weights", help="decode/prefill tok/s and weight bytes: bf16 vs fp8 vs int4")
-    add_engine_args(w)
-    w.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 64])
-    w.add_argument("--max-tokens", type=int, default=32)
-    w.add_argument("--prefill-tokens", type=int, default=256, help="tokens per prefill prompt")
-    w.add_argument("--prefill-prompts", type=int, default=4)
-    w.add_argument(
-        "--repeats", type=int, default=3, help="median over this many runs (concurrency 1, prefill)"
-    )
-    w.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
-    w.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
-    w.set_defaults(func=cmd_bench_weights)

@@ -1,5 +1,6 @@
-"""``pagoda bench integrity``: decode throughput and p95 inter-token latency with the KV tag check
-on (``enforce``) and off, interleaved in one run on one engine (same weights, same pool).
+"""Integrity benchmark (``pagoda bench integrity``): decode throughput and p95 inter-token latency
+with the KV tag check on (``enforce``) and off, interleaved in one run on one engine (same weights,
+same pool).
 
 Each repetition runs the same workload once per mode, in alternating order (ABBA), switching only
 the engine's integrity tracker. Rows report the median over repetitions with min/max spread and
@@ -9,21 +10,16 @@ the engine's integrity tracker. Rows report the median over repetitions with min
 
 from __future__ import annotations
 
-import argparse
-import random
+import dataclasses
 import statistics
 import time
+from pathlib import Path
 
-from pagoda.node_agent.bench.decode import parse_int_list, plot_lines, write_result
+from pagoda.node_agent.bench.common import Log, echo, plot_lines, random_token_prompts, set_threads
+from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.integrity import make_tracker
 
 MODES = ("enforce", "off")
-
-
-def bench_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """n distinct token-id prompts (no shared prefix page), deterministic per seed."""
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
 def p95(xs: list[float]) -> float:
@@ -78,31 +74,37 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
-def cmd_bench_integrity(a: argparse.Namespace) -> int:
+def bench_integrity(
+    cfg: EngineConfig,
+    concurrency: list[int],
+    input_len: int = 512,
+    output_len: int = 32,
+    repeats: int = 3,
+    threads: int | None = None,
+    log: Log = echo,
+) -> dict:
+    """enforce vs off at each concurrency on one engine (prefix caching off); the JSON-ready result."""
     import torch
 
-    from pagoda.node_agent.cli.main import engine_config_from_args
     from pagoda.node_agent.engine.llm_engine import LLMEngine
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    cfg = engine_config_from_args(a)
-    cfg.enable_prefix_caching = False  # every repetition recomputes the same prompts
+    set_threads(threads)
+    cfg = dataclasses.replace(cfg, enable_prefix_caching=False)  # every repetition recomputes the prompts
     engine = LLMEngine(cfg)
     trackers = {m: make_tracker(m, cfg.kernel_backend) for m in MODES}
     vocab = engine.model_config.vocab_size
     rows: list[dict] = []
-    print(f"{'mode':<9}{'conc':>5}{'decode tok/s':>14}{'spread':>18}{'p95 ITL s':>11}{'overhead %':>12}")
-    for c in a.concurrency:
-        prompts = bench_prompts(c, a.input_len, vocab, seed=c)
+    log(f"{'mode':<9}{'conc':>5}{'decode tok/s':>14}{'spread':>18}{'p95 ITL s':>11}{'overhead %':>12}")
+    for c in concurrency:
+        prompts = random_token_prompts(c, input_len, vocab, seed=c)
         runs: dict[str, list[dict]] = {m: [] for m in MODES}
         engine.integrity = trackers["off"]
         run_once(engine, prompts[:1], 2)  # warm-up
-        for r in range(a.repeats):
+        for r in range(repeats):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for m in order:
                 engine.integrity = trackers[m]
-                runs[m].append(run_once(engine, prompts, a.output_len))
+                runs[m].append(run_once(engine, prompts, output_len))
         med = {m: {k: statistics.median(x[k] for x in runs[m]) for k in runs[m][0]} for m in MODES}
         off = med["off"]
         for m in MODES:
@@ -122,49 +124,33 @@ def cmd_bench_integrity(a: argparse.Namespace) -> int:
                 "itl_p95_overhead_pct": 100 * (med[m]["itl_p95_s"] - off["itl_p95_s"]) / off["itl_p95_s"],
             }
             rows.append(row)
-            print(
+            log(
                 f"{m:<9}{c:>5}{row['decode_tok_s']:>14.1f}{f'{min(tps):.1f}-{max(tps):.1f}':>18}"
                 f"{row['itl_p95_s']:>11.4f}{row['overhead_pct']:>12.2f}"
-                f"  check {1e3 * row['check_s_per_step']:.3f} ms/step ({row['check_share_pct']:.3f}%)",
-                flush=True,
+                f"  check {1e3 * row['check_s_per_step']:.3f} ms/step ({row['check_share_pct']:.3f}%)"
             )
-    result = {
+    return {
         "bench": "integrity",
         "model": cfg.model,
         "dtype": str(engine.dtype),
         "formats": cfg.formats.as_dict(),
-        "input_len": a.input_len,
-        "output_len": a.output_len,
-        "repeats": a.repeats,
+        "input_len": input_len,
+        "output_len": output_len,
+        "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
         "note": "median over repetitions, enforce/off interleaved ABBA on one engine; "
         "overhead_pct = throughput lost vs off; check_share_pct = measured check time / decode step",
         "rows": rows,
     }
-    write_result(
-        a.json,
-        result,
-        lambda path: plot_lines(
-            path,
-            rows,
-            key="mode",
-            x="concurrency",
-            y="decode_tok_s",
-            title=f"decode with integrity enforce vs off ({a.input_len} in / {a.output_len} out)",
-            ylabel="aggregate decode tokens/s",
-        ),
+
+
+def plot_integrity(path: Path, result: dict) -> None:
+    plot_lines(
+        path,
+        result["rows"],
+        key="mode",
+        x="concurrency",
+        y="decode_tok_s",
+        title=f"decode with integrity enforce vs off ({result['input_len']} in / {result['output_len']} out)",
+        ylabel="aggregate decode tokens/s",
     )
-    return 0
-
-
-def add_integrity_bench_parser(bs, add_engine_args) -> None:
-    """Register ``pagoda bench integrity`` under the ``bench`` subcommands."""
-    p = bs.add_parser("integrity", help="decode overhead of the KV tag check (enforce vs off)")
-    add_engine_args(p)
-    p.add_argument("--concurrency", type=parse_int_list, default=[1, 4, 8, 32])
-    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (2048 on a GPU)")
-    p.add_argument("--output-len", type=int, default=32, help="generated tokens (256 on a GPU)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
-    p.set_defaults(func=cmd_bench_integrity)

@@ -1,36 +1,28 @@
-"""``pagoda bench serve``: drive a live server with N concurrent streaming clients.
+"""Serving benchmark (``pagoda bench serve``): drive a live server with N concurrent streaming clients.
 
 By default it starts ``pagoda serve`` (single process) and then ``pagoda serve --disaggregated``
 with the same engine flags, runs a shared-prefix and a unique-prompt workload at every
 concurrency against each, and reports throughput, TTFT p50/p95, ITL p50/p95 and the prefix-cache
-hit rate (cached / prompt tokens, from ``usage``) as JSON and a PNG. ``--url`` benches a server
-that is already running instead.
+hit rate (cached / prompt tokens, from ``usage``). ``url`` benches a server that is already
+running instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
-from collections.abc import Callable
+from pathlib import Path
 
-from pagoda.node_agent.bench.decode import bench_prompts, parse_int_list, plot_lines, write_result
+from pagoda.node_agent.bench.common import Log, bench_prompts, echo, plot_lines
+from pagoda.node_agent.serving import launch
 
 SHARED_PREAMBLE = (
     "You are the help desk of a maritime museum. Visitors ask about lighthouses, their keepers, "
     "the lenses, the fog signals and the ships that relied on them. Answer in one friendly "
     "paragraph, mention one concrete detail, and never invent dates or names. "
 )
-ENGINE_FLAGS = {
-    "model": "--model", "dtype": "--dtype", "device": "--device", "prefill_weights": "--prefill-weights",
-    "prefill_kv": "--prefill-kv", "decode_weights": "--decode-weights", "decode_kv": "--decode-kv",
-    "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
-    "integrity": "--integrity", "kernels": "--kernels",
-}  # fmt: skip
+MODES = ("single", "disaggregated")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,102 +95,64 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
     }  # fmt: skip
 
 
-def engine_argv(a: argparse.Namespace) -> list[str]:
-    out: list[str] = []
-    for dest, flag in ENGINE_FLAGS.items():
-        v = getattr(a, dest, None)
-        if v not in (None, "", False):
-            out += [flag, str(v)]
-    if getattr(a, "no_prefix_caching", False):
-        out.append("--no-prefix-caching")
-    return out
-
-
-def start_server(a: argparse.Namespace, mode: str, port: int) -> subprocess.Popen:
-    from pagoda.node_agent.cli.serve import wait_ready
-
-    cmd = [
-        sys.executable,
-        "-P",
-        "-m",
-        "pagoda.node_agent.cli.main",
-        "serve",
-        "--port",
-        str(port),
-        *engine_argv(a),
-    ]
-    if mode == "disaggregated":
-        cmd.append("--disaggregated")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    wait_ready(f"http://127.0.0.1:{port}", [proc], timeout=a.start_timeout)
-    if mode == "disaggregated":
-        time.sleep(1.0)  # the router's first health poll
-    return proc
-
-
-def bench_mode(a: argparse.Namespace, mode: str, url: str, model: str) -> list[dict]:
+def bench_mode(
+    mode: str, url: str, model: str, concurrency: list[int], num_requests: int, max_tokens: int, log: Log
+) -> list[dict]:
+    """Both workloads at every concurrency against the server at ``url``."""
     rows = []
     for kind in ("shared-prefix", "unique"):
-        for c in a.concurrency:
-            n = max(a.num_requests, c)
+        for c in concurrency:
+            n = max(num_requests, c)
             prompts = workload(kind, n, tag=f"{mode[0]}{c}-")
             warm = workload(kind, 1, tag=f"warm-{mode[0]}{c}-")  # seeds the shared preamble, not a prompt
             asyncio.run(run_point(url, model, warm, 1, 2))
-            r = asyncio.run(run_point(url, model, prompts, c, a.max_tokens))
+            r = asyncio.run(run_point(url, model, prompts, c, max_tokens))
             row = {"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": c, **r}
             rows.append(row)
-            print(
+            log(
                 f"{mode:<14}{kind:<14}{c:>5}{r['throughput_tok_s']:>10.1f}{r['ttft_p50_s']:>9.3f}"
                 f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['prefix_hit_rate']:>8.2f}"
-                f"{r['errors']:>5}",
-                flush=True,
+                f"{r['errors']:>5}"
             )
     return rows
 
 
-def cmd_bench_serve(a: argparse.Namespace) -> int:
-    from pagoda.node_agent.cli.serve import free_port
+def bench_serve(
+    model: str,
+    engine_argv: list[str],
+    concurrency: list[int],
+    num_requests: int = 32,
+    max_tokens: int = 32,
+    modes: list[str] | tuple[str, ...] = MODES,
+    url: str | None = None,
+    start_timeout: float = 600,
+    log: Log = echo,
+) -> dict:
+    """Start ``pagoda serve ENGINE_ARGV`` in each of ``modes`` (or use ``url``) and bench it.
 
-    model = a.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
-    print(f"{'mode':<14}{'workload':<14}{'conc':>5}{'tok/s':>10}{'TTFT50':>9}{'TTFT95':>9}{'ITL50':>9}"
-          f"{'ITL95':>9}{'hit':>8}{'err':>5}")  # fmt: skip
-    rows: list[dict] = []
-    bad = [m for m in a.modes if m not in ("single", "disaggregated")]
+    ``model`` is the engine's model source; ``engine_argv`` the engine flags the servers get."""
+    bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; use single and/or disaggregated")
-    if a.url:
-        rows += bench_mode(a, "external", a.url.rstrip("/"), model)
+    served = model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    log(f"{'mode':<14}{'workload':<14}{'conc':>5}{'tok/s':>10}{'TTFT50':>9}{'TTFT95':>9}{'ITL50':>9}"
+        f"{'ITL95':>9}{'hit':>8}{'err':>5}")  # fmt: skip
+    rows: list[dict] = []
+    point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens, "log": log}
+    if url:
+        rows += bench_mode("external", url.rstrip("/"), served, **point)
     else:
-        for mode in a.modes:
-            port = free_port()
-            proc = start_server(a, mode, port)
+        for mode in modes:
+            port = launch.free_port()
+            proc = launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout)
             try:
-                rows += bench_mode(a, mode, f"http://127.0.0.1:{port}", model)
+                rows += bench_mode(mode, f"http://127.0.0.1:{port}", served, **point)
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    result = {"bench": "serve", "model": a.model, "max_tokens": a.max_tokens, "num_requests": a.num_requests,
-              "engine_args": engine_argv(a), "rows": rows}  # fmt: skip
-    write_result(a.json, result, lambda path: plot_lines(
-        path, rows, key="series", x="concurrency", y="throughput_tok_s",
-        title=f"pagoda serve throughput ({a.model})", ylabel="generated tokens/s (all clients)"))  # fmt: skip
-    return 0
+                launch.stop([proc], timeout=30)
+    return {"bench": "serve", "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
+            "engine_args": engine_argv, "rows": rows}  # fmt: skip
 
 
-def add_bench_serve_parser(bench_sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    s = bench_sub.add_parser("serve", help="live server: throughput, TTFT, ITL, prefix hit rate (both modes)")
-    add_engine_args(s)
-    s.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 32])
-    s.add_argument(
-        "--num-requests", type=int, default=32, help="requests per point (at least the concurrency)"
-    )
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--modes", type=lambda t: [m.strip() for m in t.split(",")], default=["single", "disaggregated"],
-                   help="single,disaggregated")  # fmt: skip
-    s.add_argument("--url", default=None, help="bench this running server instead of starting one")
-    s.add_argument("--start-timeout", type=float, default=600)
-    s.add_argument("--json", default=None, help="write results here (and a PNG beside it)")
-    s.set_defaults(func=cmd_bench_serve)
+def plot_serve(path: Path, result: dict) -> None:
+    plot_lines(path, result["rows"], key="series", x="concurrency", y="throughput_tok_s",
+               title=f"pagoda serve throughput ({result['model']})", ylabel="generated tokens/s (all clients)")  # fmt: skip

@@ -8,83 +8,14 @@ import logging
 import os
 import sys
 
-from pagoda.node_agent.engine.config import (
-    ConfigError,
-    EngineConfig,
-    PhaseFormats,
-    parse_bytes,
-)
+from pagoda.node_agent.cli.bench import add_bench_parser
+from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.node_agent.cli.eval import add_eval_parser
+from pagoda.node_agent.cli.quantize import add_quantize_parser
+from pagoda.node_agent.cli.serve import add_serve_parser
+from pagoda.node_agent.engine.config import ConfigError
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.models.config import ModelLoadError
-from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
-
-DEFAULT_MODEL = "builtin://smollm2-135m"
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags every command that runs the model shares."""
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help="builtin://NAME, hf-dir:///DIR, a .gguf file or DIR"
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="weights/activations/KV precision (float32 is the reference precision)",
-    )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
-    p.add_argument("--prefill-kv", choices=KV_CACHE_FORMATS, default=None)
-    p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
-    p.add_argument("--decode-kv", choices=KV_CACHE_FORMATS, default=None)
-    p.add_argument("--kv-memory", default=None, help="KV cache budget, e.g. 512MiB (default: 1GiB on CPU)")
-    p.add_argument("--kv-memory-fraction", type=float, default=0.9, help="of free GPU memory (CUDA)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--int4-group-size",
-        type=int,
-        default=None,
-        help="INT4 group size (default: 128 where it divides K, else 64, else 32)",
-    )
-    p.add_argument("--integrity", choices=INTEGRITY_MODES, default="enforce")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--enable-fault-injection",
-        action="store_true",
-        help="integrity drills and tests only: allow injecting KV faults (never for production)",
-    )
-    p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
-
-
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    explicit = any(
-        getattr(a, n, None) for n in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv")
-    )
-    # float32 is the reference precision: dense weights and KV unless formats are asked for
-    f = PhaseFormats.reference() if a.dtype == "float32" and not explicit else PhaseFormats()
-    for name in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv"):
-        if getattr(a, name, None):
-            setattr(f, name, getattr(a, name))
-    return EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        formats=f,
-        kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else None,
-        kv_memory_fraction=a.kv_memory_fraction,
-        page_size=a.page_size,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        integrity=a.integrity,
-        int4_group_size=getattr(a, "int4_group_size", None),
-        enable_prefix_caching=not a.no_prefix_caching,
-        fault_injection=getattr(a, "enable_fault_injection", False),
-        kernel_backend=a.kernels,
-    )
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -137,17 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
-    from pagoda.node_agent.bench import decode as bench_cli
-    from pagoda.node_agent.bench import evaluate
-    from pagoda.node_agent.models import quantize
-
-    bench_cli.add_bench_parser(sub, add_engine_args)
-    quantize.add_quantize_parser(sub, DEFAULT_MODEL)
-    evaluate.add_eval_parser(sub, add_engine_args)
-    from pagoda.node_agent.cli import serve as serve_cli
-
-    serve_cli.register_serve(sub, add_engine_args)
-    serve_cli.register_bench_serve(sub, add_engine_args)
+    add_bench_parser(sub)
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
+    add_serve_parser(sub)
     return ap
 
 

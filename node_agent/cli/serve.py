@@ -1,4 +1,4 @@
-"""``pagoda serve`` (roles both, prefill, decode, router; ``--disaggregated``) and ``pagoda bench serve``."""
+"""``pagoda serve``: roles both, prefill, decode and router, or all of them locally (``--disaggregated``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.node_agent.serving.launch import agent_command, free_port, stop, wait_ready
 from pagoda.vocabulary import SERVE_ROLES
 
 log = logging.getLogger("pagoda.serve")
@@ -122,7 +123,6 @@ def build_app(a: argparse.Namespace, engine=None):
         )
         return create_app(router, settings)
 
-    from pagoda.node_agent.cli.main import engine_config_from_args
     from pagoda.node_agent.engine.llm_engine import LLMEngine
     from pagoda.node_agent.serving.async_engine import AsyncEngine
     from pagoda.node_agent.serving.metrics import ServeMetrics
@@ -204,41 +204,7 @@ def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) ->
         if x.startswith(("--role=", "--port=", "--kv-port=")):
             continue
         out.append(x)
-    return [
-        sys.executable,
-        "-P",
-        "-m",
-        "pagoda.node_agent.cli.main",
-        *out,
-        "--role",
-        role,
-        "--port",
-        str(port),
-        *extra,
-    ]
-
-
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return agent_command(*out, "--role", role, "--port", str(port), *extra)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -282,30 +248,14 @@ def run_disaggregated(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs, timeout=10)
 
 
-def register_serve(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``pagoda serve`` to the CLI."""
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``pagoda serve``."""
     s = sub.add_parser(
         "serve", help="OpenAI-compatible server (single process, a disaggregated role, or both)"
     )
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
-
-
-def register_bench_serve(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add ``pagoda bench serve`` under the existing ``bench`` command."""
-    from pagoda.node_agent.bench.serve import add_bench_serve_parser
-
-    bench = sub.choices["bench"]
-    bench_sub = next(x for x in bench._actions if isinstance(x, argparse._SubParsersAction))
-    add_bench_serve_parser(bench_sub, add_engine_args)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from pagoda.node_agent.bench.serve import percentile, run_point, workload
+from pagoda.node_agent.cli.engine_args import engine_argv, engine_config_from_args
 from pagoda.node_agent.cli.main import build_parser
 
 from .conftest import MODEL
@@ -30,3 +31,10 @@ def test_percentile_and_cli_flags() -> None:
     assert a.concurrency == [1, 4] and a.modes == ["single"]
     s = build_parser().parse_args(["serve", "--role", "router", "--decode-endpoints", "http://d:8000"])
     assert (s.host, s.port, s.role, s.tenant_header) == ("127.0.0.1", 8000, "router", "X-Pagoda-Tenant")
+
+
+def test_started_servers_get_the_engine_flags() -> None:
+    flags = ["--dtype", "float32", "--kv-memory", "16MiB", "--decode-kv", "fp8_e4m3", "--no-prefix-caching"]
+    a = build_parser().parse_args(["bench", "serve", *flags])
+    s = build_parser().parse_args(["serve", *engine_argv(a)])
+    assert engine_config_from_args(s) == engine_config_from_args(a)

@@ -10,7 +10,7 @@ import sys
 import psutil
 import pytest
 
-from pagoda.node_agent.cli.serve import wait_ready
+from pagoda.node_agent.serving.launch import wait_ready
 
 from .live import free_port
 

@@ -1,0 +1,154 @@
+"""``pagoda bench decode|kv|weights|integrity|serve|kernels``: flags in, a result JSON and a PNG out."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagoda.node_agent.bench.common import write_result
+from pagoda.node_agent.cli.engine_args import add_engine_args, engine_argv, engine_config_from_args
+
+JSON_HELP = "write results here (and a PNG beside it)"
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'1,8,16' -> [1, 8, 16] (positive integers)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError("concurrency values must be positive integers")
+    return vals
+
+
+def cmd_bench_decode(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.decode import bench_decode, plot_decode
+
+    result = bench_decode(engine_config_from_args(a), a.concurrency, a.max_tokens, baseline=not a.no_baseline)
+    write_result(a.json, result, lambda p: plot_decode(p, result))
+    return 0
+
+
+def cmd_bench_integrity(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.integrity import bench_integrity, plot_integrity
+
+    cfg = engine_config_from_args(a)
+    result = bench_integrity(cfg, a.concurrency, a.input_len, a.output_len, a.repeats, a.threads)
+    write_result(a.json, result, lambda p: plot_integrity(p, result))
+    return 0
+
+
+def cmd_bench_kv(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.formats import bench_kv, plot_kv
+
+    cfg = engine_config_from_args(a)
+    result = bench_kv(cfg, a.concurrency, a.max_tokens, a.pages_per_seq, a.threads)
+    write_result(a.json, result, lambda p: plot_kv(p, result))
+    return 0
+
+
+def cmd_bench_weights(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.formats import bench_weights, plot_weights
+
+    cfg = engine_config_from_args(a)
+    result = bench_weights(
+        cfg, a.concurrency, a.max_tokens, a.prefill_tokens, a.prefill_prompts, a.repeats, a.threads
+    )
+    write_result(a.json, result, lambda p: plot_weights(p, result))
+    return 0
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.serve import bench_serve, plot_serve
+
+    result = bench_serve(
+        a.model,
+        engine_argv(a),
+        a.concurrency,
+        a.num_requests,
+        a.max_tokens,
+        modes=a.modes,
+        url=a.url,
+        start_timeout=a.start_timeout,
+    )
+    write_result(a.json, result, lambda p: plot_serve(p, result))
+    return 0
+
+
+def cmd_bench_kernels(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.kernels import bench_kernels, plot_kernels
+
+    result = bench_kernels(a.device, quick=a.quick, threads=a.threads)
+    write_result(a.json, result, lambda p: plot_kernels(p, result))
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``pagoda bench`` and its benchmarks."""
+    b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
+    bs = b.add_subparsers(dest="bench", required=True)
+
+    d = bs.add_parser("decode", help="aggregate decode tok/s and TTFT vs transformers generate")
+    add_engine_args(d)
+    d.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--json", default=None, help=JSON_HELP)
+    d.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    d.set_defaults(func=cmd_bench_decode)
+
+    p = bs.add_parser("integrity", help="decode overhead of the KV tag check (enforce vs off)")
+    add_engine_args(p)
+    p.add_argument("--concurrency", type=parse_int_list, default=[1, 4, 8, 32])
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (2048 on a GPU)")
+    p.add_argument("--output-len", type=int, default=32, help="generated tokens (256 on a GPU)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--json", default=None, help=JSON_HELP)
+    p.set_defaults(func=cmd_bench_integrity)
+
+    k = bs.add_parser("kv", help="KV capacity and decode tok/s: bf16 vs fp8_e4m3 under one budget")
+    add_engine_args(k)
+    k.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
+    k.add_argument("--max-tokens", type=int, default=24, help="new tokens per sequence (at most)")
+    k.add_argument(
+        "--pages-per-seq", type=int, default=None, help="default: fills 85%% of fp8 at top concurrency"
+    )
+    k.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    k.add_argument("--json", default=None, help=JSON_HELP)
+    k.set_defaults(func=cmd_bench_kv)
+
+    w = bs.add_parser("weights", help="decode/prefill tok/s and weight bytes: bf16 vs fp8 vs int4")
+    add_engine_args(w)
+    w.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 64])
+    w.add_argument("--max-tokens", type=int, default=32)
+    w.add_argument("--prefill-tokens", type=int, default=256, help="tokens per prefill prompt")
+    w.add_argument("--prefill-prompts", type=int, default=4)
+    w.add_argument(
+        "--repeats", type=int, default=3, help="median over this many runs (concurrency 1, prefill)"
+    )
+    w.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    w.add_argument("--json", default=None, help=JSON_HELP)
+    w.set_defaults(func=cmd_bench_weights)
+
+    s = bs.add_parser("serve", help="live server: throughput, TTFT, ITL, prefix hit rate (both modes)")
+    add_engine_args(s)
+    s.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 32])
+    s.add_argument(
+        "--num-requests", type=int, default=32, help="requests per point (at least the concurrency)"
+    )
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--modes", type=lambda t: [m.strip() for m in t.split(",")], default=["single", "disaggregated"],
+                   help="single,disaggregated")  # fmt: skip
+    s.add_argument("--url", default=None, help="bench this running server instead of starting one")
+    s.add_argument("--start-timeout", type=float, default=600)
+    s.add_argument("--json", default=None, help=JSON_HELP)
+    s.set_defaults(func=cmd_bench_serve)
+
+    g = bs.add_parser(
+        "kernels", help="kernel micro-benchmarks: INT4/FP8 vs dense GEMM, FP8 vs BF16 KV attention"
+    )
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
+    g.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--json", default=None, help=JSON_HELP)
+    g.set_defaults(func=cmd_bench_kernels)

@@ -1,0 +1,99 @@
+"""The engine flags every model-running command shares, and the EngineConfig they describe."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats, parse_bytes
+from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
+
+DEFAULT_MODEL = "builtin://smollm2-135m"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags every command that runs the model shares."""
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="builtin://NAME, hf-dir:///DIR, a .gguf file or DIR"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights/activations/KV precision (float32 is the reference precision)",
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
+    p.add_argument("--prefill-kv", choices=KV_CACHE_FORMATS, default=None)
+    p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
+    p.add_argument("--decode-kv", choices=KV_CACHE_FORMATS, default=None)
+    p.add_argument("--kv-memory", default=None, help="KV cache budget, e.g. 512MiB (default: 1GiB on CPU)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.9, help="of free GPU memory (CUDA)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--int4-group-size",
+        type=int,
+        default=None,
+        help="INT4 group size (default: 128 where it divides K, else 64, else 32)",
+    )
+    p.add_argument("--integrity", choices=INTEGRITY_MODES, default="enforce")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--enable-fault-injection",
+        action="store_true",
+        help="integrity drills and tests only: allow injecting KV faults (never for production)",
+    )
+    p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags describe (float32 alone means reference formats)."""
+    explicit = any(
+        getattr(a, n, None) for n in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv")
+    )
+    # float32 is the reference precision: dense weights and KV unless formats are asked for
+    f = PhaseFormats.reference() if a.dtype == "float32" and not explicit else PhaseFormats()
+    for name in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv"):
+        if getattr(a, name, None):
+            setattr(f, name, getattr(a, name))
+    return EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        formats=f,
+        kv_memory=parse_bytes(a.kv_memory) if a.kv_memory else None,
+        kv_memory_fraction=a.kv_memory_fraction,
+        page_size=a.page_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        integrity=a.integrity,
+        int4_group_size=getattr(a, "int4_group_size", None),
+        enable_prefix_caching=not a.no_prefix_caching,
+        fault_injection=getattr(a, "enable_fault_injection", False),
+        kernel_backend=a.kernels,
+    )
+
+
+# engine flags a ``pagoda serve`` started by ``pagoda bench serve`` is given (dest -> flag)
+SERVER_ENGINE_FLAGS = {
+    "model": "--model", "dtype": "--dtype", "device": "--device", "prefill_weights": "--prefill-weights",
+    "prefill_kv": "--prefill-kv", "decode_weights": "--decode-weights", "decode_kv": "--decode-kv",
+    "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
+    "integrity": "--integrity", "kernels": "--kernels",
+}  # fmt: skip
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags set in ``a`` as a command line (for a server started by ``pagoda bench serve``)."""
+    out: list[str] = []
+    for dest, flag in SERVER_ENGINE_FLAGS.items():
+        v = getattr(a, dest, None)
+        if v not in (None, "", False):
+            out += [flag, str(v)]
+    if getattr(a, "no_prefix_caching", False):
+        out.append("--no-prefix-caching")
+    return out
