@@ -1,5 +1,7 @@
 """Smoke tests for the kernel benchmark helpers (shapes and keys only, never timings)."""
 
+import json
+
 import torch
 
 from pagoda.kernels.bench_kernels import kv_bytes_per_token, kv_scale_granularity_report, run_kernel_bench
@@ -41,3 +43,14 @@ def test_kv_bytes_per_token_capacity_ratio():
     assert bf16 / kv_bytes_per_token(3, 64, "static_head") == 2.0
     assert bf16 / kv_bytes_per_token(3, 64, "per_page") > 1.95
     assert bf16 / kv_bytes_per_token(3, 64, "per_token") < 1.95
+
+
+def test_bench_kernels_command(tmp_path):
+    from pagoda.node_agent.cli.main import main
+
+    out = tmp_path / "kernels.json"
+    assert main(["bench", "kernels", "--device", "cpu", "--quick", "--threads", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["bench"] == "kernels" and res["device"] == "cpu" and res["threads"] == 1
+    assert [(r["m"], r["n"], r["k"]) for r in res["gemm"]] == [(1, 64, 128), (8, 64, 128)]
+    assert out.with_suffix(".png").stat().st_size > 0
