@@ -1,5 +1,5 @@
 """FP8 KV and INT4 weights on SmolLM2 stay close to the float32 reference (bounds measured, pinned
-with a margin: see the README, "Quality: pagoda eval", for the measured figures)."""
+with a margin: see docs/measurements.md, "Quality", for the measured figures)."""
 
 from __future__ import annotations
 
