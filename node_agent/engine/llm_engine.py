@@ -24,19 +24,17 @@ from pagoda.node_agent.engine.fault_injection import make_faults
 from pagoda.node_agent.engine.integrity import IntegrityError, make_tracker, release_owned
 from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
 from pagoda.node_agent.engine.kv_setup import PoolBuilder
-from pagoda.node_agent.engine.model_runner import ModelRunner
+from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
+from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, PoolState
 from pagoda.node_agent.models.config import ModelConfig
-from pagoda.node_agent.models.llama import LlamaForCausalLM
 from pagoda.node_agent.models.loader import LoadedModel, load_model
 from pagoda.node_agent.models.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda.engine")
-
-Prompt = str | list[int] | list[dict]
 
 
 class LLMEngine:
@@ -56,24 +54,11 @@ class LLMEngine:
         loaded = loaded or load_model(config.model)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
-        formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
-        if config.role in formats:  # a single-phase worker holds only its phase's weights
-            formats = dict.fromkeys(formats, formats[config.role])
-        self.model = LlamaForCausalLM(
-            loaded.config,
-            loaded.weights,
-            formats,
-            self.dtype,
-            self.device,
-            backend=config.kernel_backend,
-            int4_group_size=config.int4_group_size,
-        )
+        self.model = build_model(config, loaded, self.dtype, self.device)
         del loaded
-        mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        if mc.sliding_window:
-            self.max_model_len = min(self.max_model_len, mc.sliding_window)
+        self.max_model_len = context_limit(config, self.model_config)
         self.runner = ModelRunner(self.model, config.kernel_backend)
+        mc = self.model_config
         builder = PoolBuilder(
             config, mc, self.dtype, self.device, self.runner, self.tokenizer, self.max_model_len
         )
@@ -114,25 +99,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Prompt text, token ids or chat messages -> token ids (validated)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.apply_chat_template(prompt)
-        elif isinstance(prompt, list):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
-        elif isinstance(prompt, str):
-            if chat:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            else:
-                ids = self.tokenizer.encode(prompt)
-        else:
-            raise RequestError(
-                f"prompt must be a string, token ids or chat messages, got {type(prompt).__name__}"
-            )
-        if not ids or (isinstance(prompt, str) and not prompt):
-            raise RequestError("prompt is empty")
-        return ids
+        return prompt_token_ids(self.tokenizer, prompt, self.model_config.vocab_size, chat)
 
     def add_request(
         self,

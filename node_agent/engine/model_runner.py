@@ -5,12 +5,39 @@ from __future__ import annotations
 import torch
 
 from pagoda.node_agent.engine.block_tables import block_table_tensor
+from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.sampling import sample
 from pagoda.node_agent.engine.scheduler import ScheduledStep
 from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
 from pagoda.node_agent.models.batch import StepBatch
+from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.llama import LlamaForCausalLM
+from pagoda.node_agent.models.loader import LoadedModel
+
+
+def build_model(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """The model with each phase's weight format (a single-phase worker holds only its phase's)."""
+    formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
+    if config.role in formats:
+        formats = dict.fromkeys(formats, formats[config.role])
+    return LlamaForCausalLM(
+        loaded.config,
+        loaded.weights,
+        formats,
+        dtype,
+        device,
+        backend=config.kernel_backend,
+        int4_group_size=config.int4_group_size,
+    )
+
+
+def context_limit(config: EngineConfig, mc: ModelConfig) -> int:
+    """Tokens one sequence may hold: the configured length within the model's (and its window)."""
+    limit = min(config.max_model_len or mc.max_position, mc.max_position)
+    return min(limit, mc.sliding_window) if mc.sliding_window else limit
 
 
 class ModelRunner:

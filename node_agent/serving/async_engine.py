@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.engine.llm_engine import LLMEngine, Prompt
+from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
+from pagoda.node_agent.engine.prompts import Prompt
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.serving.metrics import EngineSnapshot, KVPoolState, ServeMetrics
 
