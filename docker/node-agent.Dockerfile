@@ -40,6 +40,6 @@ RUN pip install ".[${EXTRAS}]" \
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin pagoda
 USER 1000
 EXPOSE 8000
-# The operator passes: serve --role ... (see the README, "Agent contract").
+# The operator passes: serve --role ... (see docs/operator.md, "Agent contract").
 ENTRYPOINT ["pagoda"]
 CMD ["serve", "--model", "builtin://smollm2-135m", "--host", "0.0.0.0", "--port", "8000"]

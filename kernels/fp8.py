@@ -124,7 +124,7 @@ def _fp8_linear_dequant_rows(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Te
 def fp8_linear_scaled_mm(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """``torch._scaled_mm`` with dynamic per-token activation scales (row-wise scaling).
 
-    The path for CUDA without Triton; on CPU it works but is slow (see the README, "Kernels"). Falls
+    The path for CUDA without Triton; on CPU it works but is slow (see docs/kernels.md). Falls
     back to the reference when ``_scaled_mm`` rejects the shape/dtype.
     """
     out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32

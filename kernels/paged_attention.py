@@ -27,7 +27,7 @@ from .fp8_format import (
 
 KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE)
 # Measured on SmolLM2-135M K/V (calibrate on one text, serve another): headroom 1.0 clips ~0.1% of
-# values and raises the error to 2.8-3.4%; 1.5 clips none at 2.6% (see the README, "Kernels").
+# values and raises the error to 2.8-3.4%; 1.5 clips none at 2.6% (see docs/kernels.md).
 RECOMMENDED_KV_HEADROOM = 1.5
 
 

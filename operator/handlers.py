@@ -94,7 +94,6 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     for group, version, plural in (
         ("apps", "v1", "deployments"),
         ("", "v1", "services"),
-        ("", "v1", "configmaps"),
     ):
 
         @kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)

@@ -13,7 +13,6 @@ Obj = dict[str, Any]
 
 # Kind -> (API path prefix, plural) for the kinds the operator touches.
 KINDS: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Pod": ("/api/v1", "pods"),

@@ -12,7 +12,7 @@ from pagoda.agent_report import REPORT_VERSION, AgentReport, IntegrityReport, Ph
 
 WHEN = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 
-# What build_report wrote before the report was typed (README "Agent contract"): no version.
+# What build_report wrote before the report was typed (docs/operator.md, "Agent contract"): no version.
 OLD_WIRE = {
     "pool": "decode",
     "node": "node-a",
