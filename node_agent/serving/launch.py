@@ -23,14 +23,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    """Poll ``url``/ready until 200; RuntimeError if one of ``procs`` exits first or time runs out."""
+    """Poll ``url``/ready until 200; RuntimeError if one of ``procs`` exits first (with the end of
+    its stderr when that is a pipe) or time runs out."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready")
+                tail = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
+                raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready: {tail}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 return

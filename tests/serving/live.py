@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import httpx
 import uvicorn
 
+from pagoda.node_agent.serving.launch import free_port
 from pagoda.node_agent.serving.metrics import metric_sum, parse_metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from pagoda.node_agent.serving.launch import wait_ready
 from pagoda.node_agent.serving.metrics import metric_sum
 
 from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
@@ -41,21 +42,6 @@ def spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"worker exited: {p.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} was not ready after {timeout}s")
 
 
 @pytest.fixture(scope="module")
