@@ -22,6 +22,7 @@ from pagoda.node_agent.bench.common import Log, bench_prompts, echo, engine_fact
 from pagoda.node_agent.bench.decode import run_pagoda_decode
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_pool import KVPagePool
+from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
 
@@ -33,15 +34,11 @@ FILLER = (
 )
 
 
-def _components(cfg) -> dict[str, tuple[int, ...]]:
-    return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
-
-
 def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
     """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales included), with bf16 as
     a true 2-byte type whatever the compute dtype."""
     dt = TRUE_BF16 if kv_format == "bf16" else torch.float8_e4m3fn
-    comps = _components(cfg)
+    comps = kv_components(cfg)
     pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt)
     per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt)
     return {
@@ -134,7 +131,7 @@ def bench_kv(
         # a bf16 pool on a float32-compute CPU stores 4-byte pages: give it the page count a true
         # 2-byte bf16 pool holds in the budget, so both engines hold what the budget buys
         dt = probe.dtype
-        per_page = KVPagePool.bytes_per_page(mc.num_layers, ps, _components(mc), dt)
+        per_page = KVPagePool.bytes_per_page(mc.num_layers, ps, kv_components(mc), dt)
         mem = budget if (f == "fp8_e4m3" or dt == TRUE_BF16) else caps[f]["pages"] * per_page
         kv = PhaseFormats("bf16", f, "bf16", f)
         engines[f] = make(formats=kv, kv_memory=mem, max_num_seqs=max(cmax, 1))

@@ -29,7 +29,7 @@ from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRul
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
-from pagoda.node_agent.engine.state import EngineState, EngineStats, PoolState
+from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.loader import LoadedModel, load_model
 from pagoda.node_agent.models.tokenizer import Tokenizer
@@ -287,7 +287,7 @@ class LLMEngine:
             model=self.config.model,
             formats=self.config.formats.as_dict(),
             pools=[
-                PoolState(name, p.kv_format, p.num_pages, p.num_used, p.page_size, p.capacity_tokens)
+                KVPoolState(name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, p.kv_format)
                 for name, p in self.pools().items()
             ],
             running=len(self.scheduler.running),

@@ -19,15 +19,15 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
-class PoolState:
+class KVPoolState:
     """One KV page pool's occupancy."""
 
     name: str
-    kv_format: str
     num_pages: int
     num_used: int
     page_size: int
     capacity_tokens: int
+    kv_format: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class EngineState:
 
     model: str
     formats: dict[str, str]
-    pools: list[PoolState]
+    pools: list[KVPoolState]
     running: int
     waiting: int
     integrity_mode: str

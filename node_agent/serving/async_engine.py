@@ -23,7 +23,7 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
 from pagoda.node_agent.engine.prompts import Prompt
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
-from pagoda.node_agent.serving.metrics import EngineSnapshot, KVPoolState, ServeMetrics
+from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics
 
 log = logging.getLogger("pagoda.async_engine")
 
@@ -342,10 +342,7 @@ class AsyncEngine:
         self._snap_at = time.perf_counter()
         self._snapshot = EngineSnapshot(
             ready=self._dead is None and not self._stop.is_set(),
-            pools=[
-                KVPoolState(p.name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, p.kv_format)
-                for p in s.pools
-            ],
+            pools=s.pools,
             running=s.running,
             waiting=s.waiting,
             integrity_mode=s.integrity_mode,

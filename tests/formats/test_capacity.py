@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.node_agent.bench.formats import _components, kv_capacity
+from pagoda.node_agent.bench.formats import kv_capacity
 from pagoda.node_agent.engine.kv_pool import KVPagePool
+from pagoda.node_agent.engine.kv_setup import kv_components
 
 
 @pytest.mark.parametrize("budget", [8 << 20, 64 << 20, 1 << 30])
@@ -23,8 +24,8 @@ def test_capacity_is_what_real_pools_hold_in_the_budget(builtin_loaded) -> None:
     cfg, budget = builtin_loaded.config, 8 << 20
     for fmt, dt in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
         cap = kv_capacity(cfg, budget, 16, fmt)
-        pool = KVPagePool(cfg.num_layers, cap["pages"], 16, _components(cfg), dt, kv_format=fmt)
+        pool = KVPagePool(cfg.num_layers, cap["pages"], 16, kv_components(cfg), dt, kv_format=fmt)
         assert pool.capacity_tokens == cap["tokens"]
         assert pool.total_bytes <= budget
-        one_more = KVPagePool(cfg.num_layers, cap["pages"] + 1, 16, _components(cfg), dt, kv_format=fmt)
+        one_more = KVPagePool(cfg.num_layers, cap["pages"] + 1, 16, kv_components(cfg), dt, kv_format=fmt)
         assert one_more.total_bytes > budget

@@ -6,9 +6,9 @@ import dataclasses
 
 from pagoda.agent_report import INTEGRITY_COUNTERS
 from pagoda.node_agent.engine.integrity import IntegrityCounters
+from pagoda.node_agent.engine.state import KVPoolState
 from pagoda.node_agent.serving.metrics import (
     EngineSnapshot,
-    KVPoolState,
     ServeMetrics,
     metric_sum,
     parse_metrics,
