@@ -116,6 +116,12 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.auth_failures = Counter(
+            "pagoda_auth_failures",
+            "Requests refused for missing or wrong credentials, by plane (public, internal, kv) and reason",
+            ["pool", "plane", "reason"],
+            registry=r,
+        )
         self.routed = Counter(
             "pagoda_router_routed",
             "Requests routed to a worker, by the rule that chose it",
