@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
-from pagoda.node_agent.serving.launch import agent_command, free_port, stop, wait_ready
+from pagoda.node_agent.serving.launch import agent_command, free_port, is_ready
 from pagoda.vocabulary import SERVE_ROLES
 
 log = logging.getLogger("pagoda.serve")
@@ -194,61 +191,45 @@ def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) ->
     argv = [x for x in sys.argv[1:] if x != "--disaggregated"]
     out: list[str] = []
     skip = False
+    dropped = ("--role", "--port", "--kv-port", "--tenant-secret")  # the secret goes by environment
     for i, x in enumerate(argv):
         if skip:
             skip = False
             continue
-        if x in ("--role", "--port", "--kv-port") and i + 1 < len(argv):
+        if x in dropped and i + 1 < len(argv):
             skip = True
             continue
-        if x.startswith(("--role=", "--port=", "--kv-port=")):
+        if x.startswith(tuple(f + "=" for f in dropped)):
             continue
         out.append(x)
     return agent_command(*out, "--role", role, "--port", str(port), *extra)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def run_disaggregated(a: argparse.Namespace) -> int:
-    """Router on --port, prefill on --port+1, decode on --port+2 (its KV receiver on a free port)."""
+    """Router on --port, prefill on --port+1, decode on --port+2 (its KV receiver on a free port),
+    under a supervisor that restarts whichever exits (policy: node_agent/cli/supervisor.py)."""
+    from pagoda.node_agent.cli.supervisor import ChildSpec, Supervisor, child_env
+
     host = a.host
     p_port, d_port = a.port + 1, a.port + 2
     kv_port = a.kv_port or free_port(host)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a SIGTERM'd parent still stops its workers
-    prefill = subprocess.Popen(child_args(a, "prefill", p_port, []))
-    decode = subprocess.Popen(child_args(a, "decode", d_port, ["--kv-port", str(kv_port)]))
-    procs = [prefill, decode]
-    try:
-        wait_ready(f"http://{host}:{p_port}", procs)
-        wait_ready(f"http://{host}:{d_port}", procs)
-        router = subprocess.Popen(
-            child_args(
-                a,
-                "router",
-                a.port,
-                [
-                    "--prefill-endpoints",
-                    f"http://{host}:{p_port}",
-                    "--decode-endpoints",
-                    f"http://{host}:{d_port}",
-                ],
-            )
-        )
-        procs.append(router)
-        print(
-            f"pagoda serve --disaggregated: router http://{host}:{a.port}, prefill :{p_port}, "
-            f"decode :{d_port} (KV :{kv_port})",
-            flush=True,
-        )
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        stop(procs, timeout=10)
+    p_url, d_url, r_url = (f"http://{host}:{p}" for p in (p_port, d_port, a.port))
+    children = [
+        ChildSpec("prefill", child_args(a, "prefill", p_port, [])),
+        ChildSpec("decode", child_args(a, "decode", d_port, ["--kv-port", str(kv_port)])),
+        ChildSpec(
+            "router",
+            child_args(a, "router", a.port, ["--prefill-endpoints", p_url, "--decode-endpoints", d_url]),
+        ),
+    ]
+    supervisor = Supervisor(
+        children,
+        env=child_env(os.environ, getattr(a, "internal_token_file", None), a.tenant_secret),
+        ready=lambda: is_ready(r_url),
+        ready_line=f"router {r_url}, prefill :{p_port}, decode :{d_port} (KV :{kv_port})",
+        label="pagoda serve --disaggregated",
+    )
+    return supervisor.run()
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,22 +22,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def is_ready(url: str, timeout: float = 2) -> bool:
+    """Whether ``url``/ready answers 200 now."""
+    import httpx
+
+    try:
+        return httpx.get(url + "/ready", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     """Poll ``url``/ready until 200; RuntimeError if one of ``procs`` exits first (with the end of
     its stderr when that is a pipe) or time runs out."""
-    import httpx
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
                 tail = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
                 raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready: {tail}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if is_ready(url):
+            return
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
 
@@ -61,12 +66,15 @@ def start_server(
 
 
 def stop(procs: list[subprocess.Popen], timeout: float = 10) -> None:
-    """SIGTERM every process still running, then wait; kill the ones that outlive ``timeout``."""
+    """SIGTERM every process still running, then wait; kill the ones still running ``timeout`` seconds
+    after the SIGTERM (one deadline for all) and reap them."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait()
