@@ -35,7 +35,8 @@ class KVPayload:
 
     @property
     def num_pages(self) -> int:
-        return self.layers[0]["k"].shape[0] if self.layers else 0
+        """Pages the payload holds per layer (as sent; check_payload checks it against the tokens)."""
+        return next(iter(self.layers[0].values())).shape[0] if self.layers and self.layers[0] else 0
 
 
 def extract_pages(
@@ -85,8 +86,12 @@ def migrate(
 ) -> list[PageRef]:
     """Move pages from one pool to another (fresh tagged pages, converted); raises OutOfPages."""
     dst_refs = dst.allocate_pages(len(refs))
-    src_idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=src.device)
-    convert_into(dst, dst_refs, src.layers, src.scales, src_idx, backend)
+    try:
+        src_idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=src.device)
+        convert_into(dst, dst_refs, src.layers, src.scales, src_idx, backend)
+    except BaseException:
+        dst.release_all(dst_refs)  # the source pages stay the sequence's
+        raise
     src.release_all(refs)
     return dst_refs
 
@@ -116,25 +121,176 @@ def payload_of(
     )
 
 
-def check_payload(payload: KVPayload, pool: KVPagePool) -> None:
-    """Raise RequestError when a payload's page size or shape cannot go into ``pool``."""
+MAX_REQUEST_ID_CHARS = 256
+# Per format: the page dtypes a sender may hold ("bf16" follows the sender's compute dtype).
+PAYLOAD_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "bf16": (torch.bfloat16, torch.float32),
+    "fp32": (torch.float32,),
+    "fp8_e4m3": (torch.float8_e4m3fn,),
+}
+# Sequences sample with a CPU generator on every device (sequence.py): its state is what a payload carries.
+GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
+
+
+def check_request_id(rid: object, what: str = "request id") -> str:
+    """A non-empty printable string of at most MAX_REQUEST_ID_CHARS characters; raises RequestError."""
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
+        shown = repr(rid) if isinstance(rid, str) and len(rid) <= 64 else type(rid).__name__
+        raise RequestError(
+            f"{what} must be a printable string of 1..{MAX_REQUEST_ID_CHARS} characters, got {shown}"
+        )
+    return rid
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_model_len: int) -> int:
+    """Raise RequestError (naming the field) unless ``payload`` can go into ``pool`` as it is: every
+    field, tensor dtype and shape is checked before anything is allocated. Returns its page count.
+
+    Accepted pages: per layer exactly the pool's components, each ``[num_pages, page_size, *shape]``
+    on the CPU or the pool's device, in the dtype of the payload's ``kv_format`` (PAYLOAD_DTYPES);
+    FP8 pages come with finite positive float32 scales ``[heads]`` per layer and component, others
+    with none. ``generator_state`` is a CPU uint8 tensor of a CPU generator's state."""
+    if not isinstance(payload, KVPayload):
+        raise RequestError(f"KV payload must be a KVPayload, got {type(payload).__name__}")
+    check_request_id(payload.request_id, "KV payload request_id")
+    ids = payload.prompt_token_ids
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("KV payload prompt_token_ids must be a non-empty list of token ids")
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        bad = [t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)][:5]
+        raise RequestError(
+            f"KV payload prompt_token_ids: ids must be integers in [0, {vocab_size}), got {bad}"
+        )
+    tok = payload.first_token
+    if not _is_int(tok) or not 0 <= tok < vocab_size:
+        raise RequestError(f"KV payload first_token must be an integer in [0, {vocab_size}), got {tok!r}")
+    if len(ids) + 1 > max_model_len:
+        raise RequestError(
+            f"KV payload prompt_token_ids: {len(ids)} tokens + the first token exceed the model length "
+            f"{max_model_len}"
+        )
+    cached = payload.num_cached_tokens
+    if not _is_int(cached) or not 0 <= cached <= len(ids):
+        raise RequestError(
+            f"KV payload num_cached_tokens must be an integer in [0, {len(ids)}], got {cached!r}"
+        )
     ps = pool.page_size
-    if payload.page_size != ps:
-        raise RequestError(f"KV payload page size {payload.page_size} != this worker's {ps}")
-    if payload.num_pages != -(-payload.num_tokens // ps) or len(payload.layers) != len(pool.layers):
-        raise RequestError("KV payload shape does not match its token count or this model")
+    if not _is_int(payload.page_size) or payload.page_size != ps:
+        raise RequestError(f"KV payload page_size {payload.page_size!r} != this worker's {ps}")
+    num_pages = -(-len(ids) // ps)
+    dtype = _check_layers(payload, pool, num_pages)
+    _check_scales(payload.scales, pool, dtype == torch.float8_e4m3fn)
+    _check_generator_state(payload.generator_state)
+    meta = payload.meta
+    if not isinstance(meta, dict):
+        raise RequestError(f"KV payload meta must be a dict, got {type(meta).__name__}")
+    sums = meta.get("page_checksums")
+    if sums is not None and (not isinstance(sums, list) or not all(_is_int(c) for c in sums)):
+        raise RequestError("KV payload meta.page_checksums must be a list of integers")
+    return num_pages
+
+
+def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch.dtype:
+    """Layer count, component names, dtypes and shapes of the pages; returns their (single) dtype."""
+    fmt = payload.kv_format
+    if not isinstance(fmt, str) or fmt not in PAYLOAD_DTYPES:
+        raise RequestError(f"KV payload kv_format must be one of {sorted(PAYLOAD_DTYPES)}, got {fmt!r}")
+    layers = payload.layers
+    if not isinstance(layers, list) or len(layers) != pool.num_layers:
+        n = len(layers) if isinstance(layers, list) else type(layers).__name__
+        raise RequestError(f"KV payload layers: {n} layers, this model has {pool.num_layers}")
+    names = set(pool.components)
+    dtype: torch.dtype | None = None
+    for li, layer in enumerate(layers):
+        if not isinstance(layer, dict) or set(layer) != names:
+            got = sorted(map(str, layer)) if isinstance(layer, dict) else type(layer).__name__
+            raise RequestError(f"KV payload layers[{li}]: components {got}, expected {sorted(names)}")
+        for c, t in layer.items():
+            where = f"KV payload layers[{li}][{c!r}]"
+            _check_tensor(t, where, pool)
+            want = (num_pages, pool.page_size, *pool.components[c])
+            if tuple(t.shape) != want:
+                raise RequestError(f"{where}: shape {tuple(t.shape)}, expected {want} for {num_pages} pages")
+            if t.dtype not in PAYLOAD_DTYPES[fmt] or (dtype is not None and t.dtype != dtype):
+                raise RequestError(f"{where}: dtype {t.dtype} does not match kv_format {fmt!r}")
+            dtype = t.dtype
+    assert dtype is not None  # a pool has at least one layer and component
+    return dtype
+
+
+def _check_tensor(t: object, where: str, pool: KVPagePool) -> None:
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        raise RequestError(f"{where} must be a dense tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", pool.device.type):
+        raise RequestError(f"{where}: tensor on {t.device}, expected the CPU or {pool.device.type}")
+
+
+def _check_scales(scales: object, pool: KVPagePool, needed: bool) -> None:
+    """FP8 pages carry finite positive float32 per-head scales per layer and component; others none."""
+    if not needed:
+        if scales is not None:
+            raise RequestError("KV payload scales: present, but the pages are not FP8")
+        return
+    if not isinstance(scales, list) or len(scales) != pool.num_layers:
+        raise RequestError(f"KV payload scales: FP8 pages need per-head scales for {pool.num_layers} layers")
+    for li, layer in enumerate(scales):
+        if not isinstance(layer, dict) or set(layer) != set(pool.components):
+            raise RequestError(f"KV payload scales[{li}]: components do not match {sorted(pool.components)}")
+        for c, t in layer.items():
+            where = f"KV payload scales[{li}][{c!r}]"
+            _check_tensor(t, where, pool)
+            want = (pool.components[c][0],)
+            if t.dtype != torch.float32 or tuple(t.shape) != want:
+                raise RequestError(f"{where}: {t.dtype} {tuple(t.shape)}, expected torch.float32 {want}")
+            if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                raise RequestError(f"{where}: scales must be finite and positive")
+
+
+def _check_generator_state(state: object) -> None:
+    """None, or a CPU generator's state that a fresh CPU generator accepts."""
+    if state is None:
+        return
+    if (
+        not isinstance(state, torch.Tensor)
+        or state.layout != torch.strided
+        or state.device.type != "cpu"
+        or state.dtype != torch.uint8
+        or tuple(state.shape) != (GENERATOR_STATE_BYTES,)
+    ):
+        desc = (
+            f"{state.dtype} {tuple(state.shape)} on {state.device}"
+            if isinstance(state, torch.Tensor)
+            else type(state).__name__
+        )
+        raise RequestError(
+            f"KV payload generator_state must be a CPU torch.uint8 tensor of {GENERATOR_STATE_BYTES} "
+            f"bytes (a CPU generator's state), got {desc}"
+        )
+    try:
+        torch.Generator().set_state(state)  # the content too: a scratch generator, nothing allocated
+    except (RuntimeError, ValueError) as exc:
+        raise RequestError(f"KV payload generator_state is not a valid generator state: {exc}") from exc
 
 
 def receive(
     payload: KVPayload, pool: KVPagePool, params: SamplingParams, request_id: str, backend: str | None = None
 ) -> Sequence:
     """A decoding Sequence whose prompt KV is the payload's, in fresh tagged pages of ``pool``
-    (converted to its format); raises OutOfPages when the pool cannot hold it."""
-    refs = pool.allocate_pages(payload.num_pages)
-    convert_into(pool, refs, payload.layers, payload.scales, backend=backend)
-    seq = Sequence(request_id, payload.prompt_token_ids, params)
-    if payload.generator_state is not None and seq.generator is not None:
-        seq.generator.set_state(payload.generator_state)
+    (converted to its format). Call check_payload first. Raises OutOfPages when the pool cannot hold
+    it; on any error the pages it took are released before the exception propagates."""
+    refs = pool.allocate_pages(-(-payload.num_tokens // pool.page_size))
+    try:
+        convert_into(pool, refs, payload.layers, payload.scales, backend=backend)
+        seq = Sequence(request_id, payload.prompt_token_ids, params)
+        if payload.generator_state is not None and seq.generator is not None:
+            seq.generator.set_state(payload.generator_state)
+    except BaseException:
+        pool.release_all(refs)
+        raise
     seq.output_token_ids = [payload.first_token]
     seq.block_table = refs
     seq.pool_name = pool.name

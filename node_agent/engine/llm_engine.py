@@ -27,7 +27,7 @@ from pagoda.node_agent.engine.kv_setup import PoolBuilder
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
-from pagoda.node_agent.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
 from pagoda.node_agent.models.config import ModelConfig
@@ -35,6 +35,14 @@ from pagoda.node_agent.models.loader import LoadedModel, load_model
 from pagoda.node_agent.models.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda.engine")
+
+MAX_ERROR_CHARS = 500  # of an exception's text in a failed request's error
+
+
+def _describe(exc: BaseException, where: str) -> str:
+    """The error a request ended by ``exc`` (raised in ``where``) reports."""
+    text = f"engine {where} failed for this request: {type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 class LLMEngine:
@@ -142,31 +150,68 @@ class LLMEngine:
         self, payload: handoff.KVPayload, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Continue decoding a sequence prefilled elsewhere: fresh tagged pages, converted on arrival.
-        Raises RequestError on a malformed payload and CapacityError when the decode pool is full."""
+
+        Everything is validated before a page is allocated: RequestError for malformed parameters or
+        payload, CapacityError when the decode pool lacks free pages or max_num_seqs is reached,
+        IntegrityError when an audited payload fails its checksums. Anything raised after allocation
+        releases every page taken and leaves no trace of the request before it propagates."""
         params = params or SamplingParams()
         params.validate()
-        handoff.check_payload(payload, self.pool)
+        num_pages = handoff.check_payload(
+            payload, self.pool, self.model_config.vocab_size, self.max_model_len
+        )
+        n = len(payload.prompt_token_ids)
+        need = n + min(params.max_tokens, self.max_model_len - n)
+        if need > self.pool.capacity_tokens:
+            raise RequestError(
+                f"prompt + max_tokens ({need} tokens) exceeds the decode KV cache capacity "
+                f"({self.pool.capacity_tokens} tokens)"
+            )
         if len(self.scheduler.running) >= self.config.max_num_seqs:
             raise CapacityError("decode worker is at max_num_seqs; retry later")
+        if self.pool.num_free < num_pages:
+            raise CapacityError(
+                f"decode KV pool has {self.pool.num_free} free pages, the handoff needs {num_pages}; retry later"
+            )
         rid = self._new_id(request_id or payload.request_id)
         self.integrity.verify_payload(rid, payload.layers, payload.meta)  # audit: raises IntegrityError
         try:
             seq = handoff.receive(payload, self.pool, params, rid, self.config.kernel_backend)
-        except OutOfPages as exc:
+        except OutOfPages as exc:  # receive released what it took
             raise CapacityError("decode KV pool is full; retry later") from exc
-        state = self._requests[rid] = RequestState(seq, self.tokenizer, self.stop_rules)
-        state.check_stop(payload.first_token)
+        try:
+            self._admit_prefilled(seq, payload.first_token)
+        except BaseException:
+            self._discard(seq)
+            raise
+        return rid
+
+    def _admit_prefilled(self, seq: Sequence, first_token: int) -> None:
+        """Register a received sequence: it decodes next, or ends at once on its first token."""
+        state = RequestState(seq, self.tokenizer, self.stop_rules)
+        state.check_stop(first_token)
         if seq.finished:  # the first token already ends it: reported by the next step()
             self.pool.release_all(seq.block_table)
             seq.block_table = []
-            self._ready.append(self._requests.pop(rid).output(finished=True))
+            out = state.output(finished=True)
+            self._ready.append(out)
             self.stats.requests_finished += 1
-        else:
-            self.scheduler.add_running(seq)
-        return rid
+            return
+        self.scheduler.add_running(seq)
+        self._requests[seq.request_id] = state
+
+    def _discard(self, seq: Sequence) -> None:
+        """Undo a half-admitted sequence: its pages back to the pool, no entry anywhere."""
+        if seq in self.scheduler.running:
+            self.scheduler.running.remove(seq)
+        self.pool.release_all(seq.block_table)
+        seq.block_table = []
+        state = self._requests.get(seq.request_id)
+        if state is not None and state.seq is seq:
+            del self._requests[seq.request_id]
 
     def _new_id(self, request_id: str | None) -> str:
-        rid = request_id or uuid.uuid4().hex
+        rid = handoff.check_request_id(request_id) if request_id else uuid.uuid4().hex
         if rid in self._requests:
             raise RequestError(f"request id {rid!r} is already in flight")
         return rid
@@ -196,7 +241,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns outputs of every request that progressed or ended."""
+        """Run one scheduled step; returns outputs of every request that progressed or ended.
+
+        An exception while running the model, sampling or post-processing ends only the requests
+        that cause it (finish_reason "error"); the rest of the step's results stand."""
         outputs, self._ready = self._ready, []  # requests that ended outside a step
         outputs += self._migrate_prefilled()
         step = self.scheduler.schedule()
@@ -210,40 +258,128 @@ class LLMEngine:
             if step is None:
                 return outputs
         t0 = time.perf_counter()
-        sampled = self.runner.run(step, pool)
+        sampled, errors = self._run_isolated(step, pool)
         self.stats.step_seconds[step.phase] += time.perf_counter() - t0
         self.stats.steps += 1
+        outputs += self._fail_all(errors)
+        step = step.excluding(errors)
+        if step is None:
+            return outputs
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n  # only after a run that succeeded
         new_tokens = sum(step.num_new_tokens)
         if step.phase == "prefill":
             self.stats.prefill_tokens += new_tokens
         else:
             self.stats.decode_tokens += new_tokens
         payloads: dict[Sequence, handoff.KVPayload] = {}
+        post_errors: dict[Sequence, str] = {}
         for seq, tok in sampled.items():
-            seq.output_token_ids.append(tok)
-            self._requests[seq.request_id].check_stop(tok)
-            if seq.prefill_only and not seq.finished:
-                # audit mode adds per-page checksums to the payload
-                payloads[seq] = handoff.payload_of(seq, self.prefill_pool, self.integrity.payload_meta)
-                seq.finish("prefilled")
+            try:
+                seq.output_token_ids.append(tok)
+                self._requests[seq.request_id].check_stop(tok)
+                if seq.prefill_only and not seq.finished:
+                    # audit mode adds per-page checksums to the payload
+                    payloads[seq] = handoff.payload_of(seq, self.prefill_pool, self.integrity.payload_meta)
+                    seq.finish("prefilled")
+            except Exception as exc:
+                post_errors[seq] = self._log_failure([seq], "output", exc)
         for seq in step.seqs:
-            self.scheduler.seal_full_pages(seq)
-            self.integrity.sealed(seq, pool)  # audit: checksum of each newly sealed page
-            if seq.finished:
-                self.scheduler.finish(seq)
+            if seq in post_errors:
+                continue
+            try:
+                self.scheduler.seal_full_pages(seq)
+                self.integrity.sealed(seq, pool)  # audit: checksum of each newly sealed page
+                if seq.finished:
+                    self.scheduler.finish(seq)
+            except Exception as exc:
+                post_errors[seq] = self._log_failure([seq], "page bookkeeping", exc)
         for seq in sampled:
             state = self._requests.get(seq.request_id)
-            if state is None:
+            if state is None or seq in post_errors:
                 continue
-            out = state.output(finished=seq.finished)
+            try:
+                out = state.output(finished=seq.finished)
+            except Exception as exc:
+                post_errors[seq] = self._log_failure([seq], "output", exc)
+                continue
             out.kv_payload = payloads.get(seq)
             outputs.append(out)
             if seq.finished:
                 del self._requests[seq.request_id]
                 self.stats.requests_finished += 1
-        return outputs
+        return outputs + self._fail_all(post_errors)
+
+    def _run_isolated(
+        self, step: ScheduledStep, pool: KVPagePool
+    ) -> tuple[dict[Sequence, int], dict[Sequence, str]]:
+        """Run the step; if it raises, re-run it in halves down to single sequences (a sequence fails
+        only when it fails alone). Returns the sampled tokens and an error message per failed sequence.
+
+        A retry rewrites the KV slots the failed run may have written (the same slots, computed
+        again) and starts every seeded generator from its state before the failed run."""
+        gens = {s: s.generator.get_state() for s in step.seqs if s.generator is not None}
+        try:
+            return self.runner.run(step, pool), {}
+        except Exception as exc:
+            first = exc
+        sampled: dict[Sequence, int] = {}
+        failed: dict[Sequence, Exception] = {}
+        self._retry_halves(step, pool, gens, sampled, failed)
+        if not failed:
+            log.warning(
+                "a %s step of %d requests raised, and every part succeeded when re-run",
+                step.phase,
+                len(step.seqs),
+                exc_info=first,
+            )
+            return sampled, {}
+        where = f"{step.phase} step"
+        self._log_failure(list(failed), where, next(iter(failed.values())))
+        return sampled, {seq: _describe(exc, where) for seq, exc in failed.items()}
+
+    def _retry_halves(
+        self,
+        step: ScheduledStep,
+        pool: KVPagePool,
+        gens: dict[Sequence, torch.Tensor],
+        sampled: dict[Sequence, int],
+        failed: dict[Sequence, Exception],
+    ) -> None:
+        """Re-run a failed step's two halves; a failing half of several sequences splits again."""
+        mid = len(step.seqs) // 2
+        for part in (step.seqs[:mid], step.seqs[mid:]):
+            if not part:
+                continue
+            sub = step.only(part)
+            for seq in part:
+                if seq in gens:
+                    seq.generator.set_state(gens[seq])
+            try:
+                sampled.update(self.runner.run(sub, pool))
+            except Exception as exc:
+                if len(part) == 1:
+                    failed[part[0]] = exc
+                else:
+                    self._retry_halves(sub, pool, gens, sampled, failed)
+
+    def _log_failure(self, seqs: list[Sequence], where: str, exc: BaseException) -> str:
+        """Log a failure once, with the request ids it ends; returns the message those requests get."""
+        ids = ", ".join(s.request_id for s in seqs)
+        log.error("%s failed; ending request(s) %s with an error", where, ids, exc_info=exc)
+        return _describe(exc, where)
+
+    def _fail_all(self, errors: dict[Sequence, str]) -> list[RequestOutput]:
+        """End each sequence with its error: pages released, no longer scheduled, counted as aborted."""
+        outs = [self._fail_request(seq, msg) for seq, msg in errors.items()]
+        return [o for o in outs if o is not None]
+
+    def _fail_request(self, seq: Sequence, message: str) -> RequestOutput | None:
+        self.scheduler.abort(seq)
+        seq.finish("error", message)
+        self.stats.requests_aborted += 1
+        state = self._requests.pop(seq.request_id, None)
+        return state.output(finished=True) if state is not None and state.seq is seq else None
 
     def _migrate_prefilled(self) -> list[RequestOutput]:
         """Move finished prefills from the prefill pool to the decode pool, converting the KV format.
@@ -260,6 +396,10 @@ class LLMEngine:
                 )
             except OutOfPages:
                 break  # decode frees pages as sequences finish; try again next step
+            except Exception as exc:  # migrate released what it took in the decode pool
+                out = self._fail_request(seq, self._log_failure([seq], "KV migration", exc))
+                failed += [out] if out is not None else []
+                continue
             seq.block_table = refs
             seq.pool_name = self.pool.name
             self.stats.migrations += 1

@@ -1,4 +1,9 @@
-"""Token selection: greedy, temperature, top-k, top-p, with per-request seeded generators."""
+"""Token selection: greedy, temperature, top-k, top-p, with per-request seeded generators.
+
+A seeded request's generator is a CPU ``torch.Generator`` whatever the compute device (sequence.py):
+its state (``get_state()``, a uint8 tensor) has one size on every worker, so a handoff carries it
+between CPU and GPU workers alike; the probabilities of a seeded draw move to the CPU for it.
+"""
 
 from __future__ import annotations
 
@@ -26,5 +31,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             drop = cum - sorted_p > p.top_p  # keep the smallest set reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+        gen = seq.generator
+        if gen is not None and gen.device != probs.device:
+            probs = probs.to(gen.device)  # seeded draws use the sequence's CPU generator on every device
+        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out

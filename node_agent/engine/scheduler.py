@@ -44,6 +44,11 @@ class ScheduledStep:
             return None
         return ScheduledStep(self.phase, [s for s, _ in keep], [n for _, n in keep], self.preempted)
 
+    def only(self, seqs: Collection[Sequence]) -> ScheduledStep:
+        """The same step for ``seqs`` alone (each with its token count), to isolate a failure."""
+        keep = [(s, n) for s, n in zip(self.seqs, self.num_new_tokens, strict=True) if s in seqs]
+        return ScheduledStep(self.phase, [s for s, _ in keep], [n for _, n in keep])
+
 
 class Scheduler:
     """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
