@@ -2,16 +2,22 @@
 
 A request crosses them like this (the router drives it):
 
-1. router -> decode ``POST /internal/decode`` {request_id, params}: the decode worker parks the
-   request under a ticket and streams NDJSON back; its first line is ``{"kv_address", "ticket"}``.
-2. router -> prefill ``POST /internal/prefill`` {prompt, chat, params, cache_salt, kv_address,
-   ticket}: the prefill worker computes the prompt's KV (prefill formats), then sends the pages
-   over the KV transport (kv_transport.py) to ``kv_address``; the decode worker verifies every
-   page's checksum, allocates fresh tagged pages, converts to its KV format and acknowledges.
-3. decode -> router: ``{"chunk": ...}`` lines as tokens come, or one ``{"error": ...}`` line.
+1. router -> decode ``POST /internal/decode`` {request_id, params, timeout_s}: the decode worker
+   parks the request under a ticket and streams NDJSON back; its first line is
+   ``{"kv_address", "ticket", "grant"}`` (grant: internal_auth.InternalAuth.grant of both).
+2. router -> prefill ``POST /internal/prefill`` {prompt, chat, params, cache_salt, request_id,
+   kv_address, ticket, grant}: the prefill worker checks the grant (403 otherwise: pages only go
+   where a decode worker asked for them), computes the prompt's KV (prefill formats), then sends
+   the pages over the KV transport (kv_transport.py) to ``kv_address``; the decode worker checks
+   the header's MAC, claims the ticket (once), checks every field against its limits, verifies
+   every page's checksum, allocates fresh tagged pages, converts to its KV format and acknowledges.
+3. decode -> router: ``{"chunk": ...}`` lines as tokens come, or one ``{"error": ...}`` line (a
+   failed handoff fails the parked request at once; no pages within its timeout: ``kv_timeout``).
 
-``GET /internal/state`` reports readiness and free KV capacity for the router's choices;
-``GET /ready`` is the pod's readiness probe.
+Every ``/internal/*`` request must prove the internal token (401 missing, 403 wrong; checked
+before the body is read); bodies are validated (400 JSON). ``GET /internal/state`` reports
+readiness and free KV capacity for the router's choices; ``GET /ready`` is the pod's readiness
+probe and needs no token.
 """
 
 from __future__ import annotations
@@ -27,12 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
+from pagoda.node_agent.serving.api_server import read_body
 from pagoda.node_agent.serving.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed
 from pagoda.node_agent.serving.backend import StreamChunk
+from pagoda.node_agent.serving.internal_auth import InternalAuth
+from pagoda.node_agent.serving.kv_limits import KVLimits
 from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
 from pagoda.node_agent.serving.local_backend import busy_error, request_error
 from pagoda.node_agent.serving.metrics import ServeMetrics
@@ -41,6 +50,18 @@ from pagoda.node_agent.serving.protocol import ApiError
 log = logging.getLogger("pagoda.disagg")
 
 KV_WAIT_S = 120.0
+MAX_ID_CHARS = 256
+# JSON types of the sampling parameters on the internal plane (bool is no int here)
+_PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,),
+    "temperature": (int, float),
+    "top_k": (int,),
+    "top_p": (int, float),
+    "seed": (int, type(None)),
+    "stop": (list,),
+    "stop_token_ids": (list,),
+    "ignore_eos": (bool,),
+}
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
@@ -56,10 +77,52 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
     }
 
 
-def params_from_json(d: dict[str, Any]) -> SamplingParams:
-    p = SamplingParams(**{k: d[k] for k in params_to_json(SamplingParams()) if k in d})
+def params_from_json(d: Any) -> SamplingParams:
+    """SamplingParams from the internal plane's JSON; RequestError naming the first bad field."""
+    if not isinstance(d, dict):
+        raise RequestError("params must be a JSON object")
+    for k, v in d.items():
+        types = _PARAM_TYPES.get(k)
+        if types is None:
+            raise RequestError(f"params: unknown field {str(k)[:40]!r}")
+        if type(v) not in types:
+            raise RequestError(f"{k} has the wrong JSON type ({type(v).__name__})")
+    if any(type(t) is not int or t < 0 for t in d.get("stop_token_ids", [])):
+        raise RequestError("stop_token_ids must be non-negative integers")
+    p = SamplingParams(**d)
     p.validate()
     return p
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _opt(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any = None) -> Any:
+    """An optional field of a checked JSON type (bool is never an int here)."""
+    v = body.get(key, default)
+    if v is not default and type(v) not in types:
+        raise _bad(f"{key} has the wrong JSON type ({type(v).__name__})", key)
+    return v
+
+
+def _req_str(body: dict[str, Any], key: str, max_chars: int = MAX_ID_CHARS) -> str:
+    v = body.get(key)
+    if type(v) is not str or not 1 <= len(v) <= max_chars:
+        raise _bad(f"{key} must be a string of 1..{max_chars} characters", key)
+    return v
+
+
+async def json_object(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object (413 beyond ``limit`` bytes, 400 when not an object)."""
+    raw = await read_body(request, limit)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
 
 
 @dataclass
@@ -68,6 +131,7 @@ class _Parked:
 
     request_id: str
     params: SamplingParams
+    claimed: bool = False  # a handoff presented this ticket (it is single-use)
     payload: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -88,23 +152,40 @@ class DisaggWorker:
         role: str,
         engine: AsyncEngine,
         metrics: ServeMetrics,
+        auth: InternalAuth,
         kv_port: int = 0,
         kv_host: str = "127.0.0.1",
         advertise_host: str | None = None,
+        max_body_bytes: int = 1 << 20,
+        kv_frame_timeout_s: float = 10.0,
+        kv_deadline_s: float = 60.0,
+        kv_max_handoffs: int = 8,
     ) -> None:
         self.role = role
         self.engine = engine
         self.metrics = metrics
-        self.sender = TcpKVSender()
+        self.auth = auth
+        self.max_body_bytes = 2 * max_body_bytes + (64 << 10)  # the router re-encodes the prompt
+        self.sender = TcpKVSender(auth)
         self.parked: dict[str, _Parked] = {}
         self.receiver: TcpKVReceiver | None = None
         if role == "decode":
+            limits = KVLimits.for_engine(
+                engine.engine,
+                frame_timeout_s=kv_frame_timeout_s,
+                handoff_deadline_s=kv_deadline_s,
+                max_handoffs=kv_max_handoffs,
+            )
             self.receiver = TcpKVReceiver(
                 kv_host,
                 kv_port,
                 self._on_payload,
+                auth,
+                limits,
+                self._claim,
                 advertise_host or default_advertise_host(kv_host),
                 self._on_bad_payload,
+                self._on_kv_auth_failure,
             )
 
     async def start(self) -> None:
@@ -125,30 +206,40 @@ class DisaggWorker:
             return JSONResponse({"ready": ok, "role": self.role}, status_code=200 if ok else 503)
 
         @app.get("/internal/state")
-        async def state() -> dict[str, Any]:
-            return self.state()
+        async def state(request: Request) -> JSONResponse:
+            if (refusal := self.auth.refuse(request, self.metrics)) is not None:
+                return refusal
+            return JSONResponse(self.state())
 
         if self.role == "prefill":
 
             @app.post("/internal/prefill")
             async def prefill(request: Request) -> JSONResponse:
-                return await self.prefill(await request.json(), request)
+                if (refusal := self.auth.refuse(request, self.metrics)) is not None:
+                    return refusal
+                return await self.prefill(await json_object(request, self.max_body_bytes), request)
 
         else:
 
             @app.post("/internal/decode")
-            async def decode(request: Request) -> StreamingResponse:
-                body = await request.json()
+            async def decode(request: Request) -> Response:
+                if (refusal := self.auth.refuse(request, self.metrics)) is not None:
+                    return refusal
+                body = await json_object(request, self.max_body_bytes)
                 try:
-                    params = params_from_json(body.get("params") or {})
-                except (RequestError, TypeError) as exc:
+                    params = params_from_json(_opt(body, "params", (dict,), {}))
+                except RequestError as exc:
                     raise request_error(exc) from exc
-                rid = str(body.get("request_id") or uuid.uuid4().hex)
+                rid = _opt(body, "request_id", (str,)) or uuid.uuid4().hex
+                if len(rid) > MAX_ID_CHARS:
+                    raise _bad(f"request_id must have at most {MAX_ID_CHARS} characters", "request_id")
+                wait = _opt(body, "timeout_s", (int, float)) or KV_WAIT_S
+                if not 0 < wait <= KV_WAIT_S:
+                    raise _bad(f"timeout_s must be in (0, {KV_WAIT_S:.0f}]", "timeout_s")
                 ticket = uuid.uuid4().hex
                 self.parked[ticket] = _Parked(rid, params)
                 return StreamingResponse(
-                    self._decode_stream(ticket, float(body.get("timeout_s") or KV_WAIT_S)),
-                    media_type="application/x-ndjson",
+                    self._decode_stream(ticket, float(wait)), media_type="application/x-ndjson"
                 )
 
     def state(self) -> dict[str, Any]:
@@ -168,18 +259,38 @@ class DisaggWorker:
     # ------------------------------------------------------------------ prefill side
 
     async def prefill(self, body: dict[str, Any], request: Request) -> JSONResponse:
-        try:
-            params = params_from_json(body.get("params") or {})
-            stream = await self.engine.submit(
-                body["prompt"],
-                params,
-                chat=bool(body.get("chat")),
-                cache_salt=str(body.get("cache_salt") or ""),
-                prefill_only=True,
-                request_id=body.get("request_id"),
+        # the grant first: pages only go to a decode worker that asked for them under this ticket
+        ticket, kv_address = _req_str(body, "ticket"), _req_str(body, "kv_address")
+        grant = body.get("grant")
+        if type(grant) is not str or not self.auth.check_grant(ticket, kv_address, grant):
+            m = self.metrics
+            m.auth_failures.labels(m.pool, "internal", "bad_grant").inc()
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "the decode worker's grant for this ticket and kv_address is missing or wrong",
+                        "type": "authentication_error",
+                        "param": "grant",
+                        "code": "bad_grant",
+                    }
+                },
+                status_code=403,
             )
-        except (RequestError, TypeError, KeyError) as exc:
-            err = request_error(exc, "messages" if body.get("chat") else "prompt")
+        chat = _opt(body, "chat", (bool,), False)
+        salt = _opt(body, "cache_salt", (str,), "")
+        rid = _opt(body, "request_id", (str,))
+        if rid is not None and not 1 <= len(rid) <= MAX_ID_CHARS:
+            raise _bad(f"request_id must be a string of 1..{MAX_ID_CHARS} characters", "request_id")
+        prompt = body.get("prompt")
+        if type(prompt) not in (str, list):
+            raise _bad("prompt must be a string or a list", "messages" if chat else "prompt")
+        try:
+            params = params_from_json(_opt(body, "params", (dict,), {}))
+            stream = await self.engine.submit(
+                prompt, params, chat=chat, cache_salt=salt, prefill_only=True, request_id=rid
+            )
+        except (RequestError, TypeError, KeyError, ValueError) as exc:
+            err = request_error(exc, "messages" if chat else "prompt")
             return JSONResponse(err.body(), status_code=err.status)
         except (QueueFull, EngineDead, CapacityError) as exc:
             err = busy_error(exc)
@@ -195,7 +306,7 @@ class DisaggWorker:
         if out.finish_reason != "prefilled" or payload is None:
             return JSONResponse({"status": "finished", "chunk": StreamChunk.of(out).to_json()})
         try:
-            stats = await self.sender.send(str(body["kv_address"]), str(body["ticket"]), payload)
+            stats = await self.sender.send(kv_address, ticket, payload)
         except TransferError as exc:
             self.metrics.kv_transfer_failures.labels(self.metrics.pool, "send").inc()
             return _error(502, str(exc), "kv_transfer_failed")
@@ -214,26 +325,41 @@ class DisaggWorker:
 
     # ------------------------------------------------------------------ decode side
 
+    def _claim(self, ticket: str) -> str | None:
+        """Claim a parked ticket for one handoff: None, or "unknown" / "replayed"."""
+        parked = self.parked.get(ticket)
+        if parked is None:
+            return "unknown"
+        if parked.claimed:
+            return "replayed"
+        parked.claimed = True
+        return None
+
     async def _on_payload(self, ticket: str, payload: KVPayload) -> None:
         parked = self.parked.get(ticket)
         if parked is None or parked.payload.done():
-            raise TransferError(f"no decode request waits for ticket {ticket}")
+            raise TransferError(f"no decode request waits for ticket {ticket}", "refused")
         m = self.metrics
         m.kv_transfer_pages.labels(m.pool, "received").inc(payload.num_pages)
         parked.payload.set_result(payload)
         await asyncio.wait_for(asyncio.shield(parked.accepted), 30)  # raises the engine's refusal
 
-    def _on_bad_payload(self, error: str, ticket: str | None) -> None:
-        self.metrics.kv_transfer_failures.labels(self.metrics.pool, "receive").inc()
+    def _on_bad_payload(self, reason: str, error: str, ticket: str | None) -> None:
+        """A refused handoff: counted; the request parked under a claimed ticket fails at once."""
+        self.metrics.kv_transfer_failures.labels(self.metrics.pool, reason).inc()
         parked = self.parked.get(ticket or "")
         if parked is not None and not parked.payload.done():
-            parked.payload.set_exception(TransferError(error))
+            parked.payload.set_exception(TransferError(error, reason))
+
+    def _on_kv_auth_failure(self, reason: str) -> None:
+        self.metrics.auth_failures.labels(self.metrics.pool, "kv", reason).inc()
 
     async def _decode_stream(self, ticket: str, wait_s: float) -> AsyncIterator[bytes]:
         parked = self.parked[ticket]
         stream = None
         try:
-            yield _line({"kv_address": self.receiver.address if self.receiver else "", "ticket": ticket})
+            addr = self.receiver.address if self.receiver else ""
+            yield _line({"kv_address": addr, "ticket": ticket, "grant": self.auth.grant(ticket, addr)})
             try:
                 payload = await asyncio.wait_for(parked.payload, wait_s)
             except TimeoutError:

@@ -1,16 +1,18 @@
 """The KV handoff between processes: a framed binary protocol over TCP with a checksum per page.
 
-Wire format (version 1, integers little-endian). Every frame is::
+Wire format (version 2, integers little-endian). Every frame is::
 
-    magic "PGKV" (4 bytes) | version u8 (=1) | type u8 | reserved u16 | length u32 | body | crc32(body) u32
+    magic "PGKV" (4 bytes) | version u8 (=2) | type u8 | reserved u16 | length u32 | body | crc32(body) u32
 
 The sender opens one connection per handoff and sends, in order:
 
-1. ``HEADER`` (type 1): UTF-8 JSON: ``ticket`` (names the waiting request on the receiver),
-   ``request_id``, ``prompt_token_ids``, ``first_token``, ``page_size``, ``kv_format``,
-   ``num_pages``, ``num_layers``, ``components`` (e.g. ``["k", "v"]``), ``dtype`` (torch dtype name
-   of the pages), ``page_shape`` (per component, one page: ``[page_size, heads, dim]``),
-   ``has_scales``, ``generator_state_len``, ``num_cached_tokens``.
+1. ``HEADER`` (type 1): a 32-byte HMAC-SHA256 of the JSON that follows, under a key derived from
+   the internal token (internal_auth.py), then UTF-8 JSON: ``ticket`` (names the waiting request on
+   the receiver; single-use), ``request_id``, ``prompt_token_ids``, ``first_token``, ``page_size``,
+   ``kv_format``, ``num_pages``, ``num_layers``, ``components`` (e.g. ``["k", "v"]``), ``dtype``
+   (torch dtype name of the pages), ``page_shape`` (per component, one page:
+   ``[page_size, heads, dim]``), ``has_scales``, ``scale_shape``, ``generator_state_len``,
+   ``num_cached_tokens``.
 2. ``PAGE`` (type 2), one per page: ``page_index u32`` then, for every layer in order and every
    component in header order, the page's elements in C order. The frame's CRC32 is that page's
    checksum; the receiver verifies it on arrival and fails the whole handoff on a mismatch.
@@ -20,8 +22,17 @@ The sender opens one connection per handoff and sends, in order:
 5. ``END`` (type 5): ``num_pages u32``, the count the receiver must have seen.
 
 The receiver answers with one ``ACK`` frame (type 6): JSON ``{"ok": true}`` once the decode
-engine accepted the sequence, or ``{"ok": false, "error": "..."}``. Any framing error, checksum
-mismatch or missing page is a failed handoff: the request fails, it is never decoded.
+engine accepted the sequence, or ``{"ok": false, "error": "..."}``.
+
+The receiver trusts nothing before it checked it (kv_limits.py): the header's MAC first, then its
+ticket (claimed once: a second handoff for a ticket is refused), then every field against the
+decode pool's limits, before anything is allocated. Each frame's length is bounded by what the
+header announced (one page, the scales, the generator state) before its body is read; pages are
+staged as they arrive and assembled off the event loop. A frame must arrive within
+``frame_timeout_s`` and the handoff within ``handoff_deadline_s``; at most ``max_handoffs``
+connections are served at once (one more is answered "busy" at once). Every failure is answered
+with a refusing ACK while the socket allows and reported to ``on_error(reason, message, ticket)``
+(ticket: only once it was claimed, so the waiting request fails at once).
 
 ``KVSender``/``KVReceiver`` are the transport interface; TCP is the one implementation here, so an
 RDMA transport can be added beside it.
@@ -38,25 +49,34 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.serving.internal_auth import MAC_BYTES, InternalAuth
+from pagoda.node_agent.serving.kv_limits import HeaderError, KVLimits, NoRoom, check_header, torch_dtype
 
 log = logging.getLogger("pagoda.kv_transport")
 
 MAGIC = b"PGKV"
-VERSION = 1
+VERSION = 2
 HEADER, PAGE, SCALES, GENSTATE, END, ACK = 1, 2, 3, 4, 5, 6
 _PREFIX = struct.Struct("<4sBBHI")  # magic, version, type, reserved, length
 _CRC = struct.Struct("<I")
 _U32 = struct.Struct("<I")
-MAX_FRAME = 1 << 30
+MAX_ACK = 1 << 16
+MAX_ERROR_CHARS = 500
+CRC_IN_THREAD = 1 << 16  # frames at least this big are checksummed off the event loop
 
 
 class TransferError(RuntimeError):
-    """A KV handoff that failed: bad framing, checksum mismatch, refusal or connection loss."""
+    """A KV handoff that failed; ``reason`` labels it in ``pagoda_kv_transfer_failures_total``."""
+
+    def __init__(self, message: str, reason: str = "framing") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -70,45 +90,44 @@ def encode_frame(ftype: int, body: bytes) -> bytes:
     return _PREFIX.pack(MAGIC, VERSION, ftype, 0, len(body)) + body + _CRC.pack(zlib.crc32(body))
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """One frame; raises TransferError on bad magic, version, length or checksum."""
+async def read_frame(
+    reader: asyncio.StreamReader, max_len: Callable[[int], int], timeout: float | None = None
+) -> tuple[int, bytes]:
+    """One frame. ``max_len(type)`` bounds its body before it is read (negative: type not allowed
+    here). TransferError on bad magic/version/type/length/checksum, a closed connection or a frame
+    slower than ``timeout`` seconds."""
     try:
-        magic, version, ftype, _, length = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+        async with asyncio.timeout(timeout):
+            magic, version, ftype, _, length = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+            if magic != MAGIC or version != VERSION:
+                raise TransferError(f"not a pagoda KV frame (magic {magic!r}, version {version})")
+            limit = max_len(ftype)
+            if limit < 0:
+                raise TransferError(f"unexpected KV frame type {ftype} here")
+            if length > limit:
+                raise TransferError(f"KV frame type {ftype} of {length} bytes exceeds its limit of {limit}")
+            body = await reader.readexactly(length)
+            (crc,) = _CRC.unpack(await reader.readexactly(_CRC.size))
     except asyncio.IncompleteReadError as exc:
-        raise TransferError("connection closed in a frame header") from exc
-    if magic != MAGIC or version != VERSION:
-        raise TransferError(f"not a pagoda KV frame (magic {magic!r}, version {version})")
-    if length > MAX_FRAME:
-        raise TransferError(f"frame of {length} bytes exceeds the limit")
-    try:
-        body = await reader.readexactly(length)
-        (crc,) = _CRC.unpack(await reader.readexactly(_CRC.size))
-    except asyncio.IncompleteReadError as exc:
-        raise TransferError("connection closed in a frame body") from exc
-    if zlib.crc32(body) != crc:
+        raise TransferError("the connection closed inside a KV frame", "closed") from exc
+    except TimeoutError as exc:
+        raise TransferError(f"no complete KV frame within {timeout}s", "timeout") from exc
+    actual = await asyncio.to_thread(zlib.crc32, body) if length >= CRC_IN_THREAD else zlib.crc32(body)
+    if actual != crc:
         kind = "page" if ftype == PAGE else f"frame type {ftype}"
         where = f" {_U32.unpack_from(body)[0]}" if ftype == PAGE and len(body) >= 4 else ""
-        raise TransferError(f"checksum mismatch in KV {kind}{where}")
+        raise TransferError(f"checksum mismatch in KV {kind}{where}", "checksum")
     return ftype, body
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise TransferError(f"unknown page dtype {name!r}")
-    return dt
 
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def payload_frames(ticket: str, p: KVPayload) -> list[bytes]:
-    """The frames of one handoff (header, pages, scales, generator state, end)."""
+def header_of(ticket: str, p: KVPayload, gen_len: int) -> dict[str, Any]:
     comps = list(p.layers[0]) if p.layers else []
     first = p.layers[0][comps[0]] if comps else None
-    gen = _bytes(p.generator_state) if p.generator_state is not None else b""
-    header = {
+    return {
         "ticket": ticket,
         "request_id": p.request_id,
         "prompt_token_ids": p.prompt_token_ids,
@@ -122,10 +141,22 @@ def payload_frames(ticket: str, p: KVPayload) -> list[bytes]:
         "page_shape": {c: list(p.layers[0][c].shape[1:]) for c in comps},
         "has_scales": p.scales is not None,
         "scale_shape": {c: list(p.scales[0][c].shape) for c in comps} if p.scales else {},
-        "generator_state_len": len(gen),
+        "generator_state_len": gen_len,
         "num_cached_tokens": p.num_cached_tokens,
     }
-    frames = [encode_frame(HEADER, json.dumps(header).encode())]
+
+
+def header_frame(auth: InternalAuth, header: dict[str, Any]) -> bytes:
+    """A HEADER frame: the JSON's MAC, then the JSON."""
+    raw = json.dumps(header).encode()
+    return encode_frame(HEADER, auth.kv_mac(raw) + raw)
+
+
+def payload_frames(ticket: str, p: KVPayload, auth: InternalAuth) -> list[bytes]:
+    """The frames of one handoff (header, pages, scales, generator state, end)."""
+    comps = list(p.layers[0]) if p.layers else []
+    gen = _bytes(p.generator_state) if p.generator_state is not None else b""
+    frames = [header_frame(auth, header_of(ticket, p, len(gen)))]
     for i in range(p.num_pages):
         parts = [_U32.pack(i)] + [_bytes(layer[c][i]) for layer in p.layers for c in comps]
         frames.append(encode_frame(PAGE, b"".join(parts)))
@@ -137,73 +168,113 @@ def payload_frames(ticket: str, p: KVPayload) -> list[bytes]:
     return frames
 
 
+_ORDER = {PAGE: 1, SCALES: 2, GENSTATE: 3, END: 4}
+
+
 class _Assembler:
-    """Rebuilds a KVPayload from frames, checking order, counts and sizes."""
+    """Stages the frames after a checked header (pages as they arrive) and rebuilds the payload."""
 
-    def __init__(self, header: dict) -> None:
+    def __init__(self, header: dict[str, Any], limits: KVLimits) -> None:
         self.h = header
-        self.comps: list[str] = header["components"]
-        self.dtype = _dtype(header["dtype"])
-        self.elem = torch.empty((), dtype=self.dtype).element_size()
-        self.shapes = {c: tuple(header["page_shape"][c]) for c in self.comps}
-        n, layers = int(header["num_pages"]), int(header["num_layers"])
-        self.layers = [
-            {c: torch.empty((n, *self.shapes[c]), dtype=self.dtype) for c in self.comps}
-            for _ in range(layers)
-        ]
-        self.seen = [False] * n
-        self.scales: list[dict[str, torch.Tensor]] | None = None
-        self.gen: torch.Tensor | None = None
-        sizes = [int(torch.Size(self.shapes[c]).numel()) * self.elem for c in self.comps]
-        self.page_bytes = sum(sizes) * layers
-        self.sizes = sizes
+        self.limits = limits
+        self.n: int = header["num_pages"]
+        self.dtype_name: str = header["dtype"]
+        self.page_bytes = limits.page_bytes(self.dtype_name)
+        self.pages: dict[int, bytes] = {}
+        self.scales_body: bytes | None = None
+        self.gen_body: bytes | None = None
+        self.phase = 0
 
-    def page(self, body: bytes) -> None:
-        (idx,) = _U32.unpack_from(body)
-        if idx >= len(self.seen) or self.seen[idx]:
-            raise TransferError(f"unexpected KV page index {idx}")
-        if len(body) - 4 != self.page_bytes:
-            raise TransferError(f"KV page {idx} has {len(body) - 4} bytes, expected {self.page_bytes}")
-        off = 4
-        for layer in self.layers:
-            for c, size in zip(self.comps, self.sizes, strict=True):
-                raw = torch.frombuffer(bytearray(body[off : off + size]), dtype=torch.uint8)
-                layer[c][idx].copy_(raw.view(self.dtype).reshape(self.shapes[c]))
-                off += size
-        self.seen[idx] = True
+    def max_len(self, ftype: int) -> int:
+        """The exact body size a frame of this type must have now; -1 when it is out of order."""
+        order = _ORDER.get(ftype)
+        if order is None or order < self.phase or (order == self.phase and ftype != PAGE):
+            return -1
+        if ftype == PAGE:
+            return 4 + self.page_bytes
+        if ftype == SCALES:
+            return self.limits.scales_bytes if self.h["has_scales"] else -1
+        if ftype == GENSTATE:
+            return self.h["generator_state_len"] or -1
+        return 4
 
-    def set_scales(self, body: bytes) -> None:
-        shapes = {c: tuple(self.h["scale_shape"][c]) for c in self.comps}
-        flat = torch.frombuffer(bytearray(body), dtype=torch.float32)
-        need = len(self.layers) * sum(int(torch.Size(s).numel()) for s in shapes.values())
-        if flat.numel() != need:
-            raise TransferError(f"KV scales have {flat.numel()} values, expected {need}")
-        off, out = 0, []
-        for _ in self.layers:
+    def add(self, ftype: int, body: bytes) -> bool:
+        """Take one frame; True after END."""
+        want = self.max_len(ftype)
+        if len(body) != want:
+            raise TransferError(f"KV frame type {ftype} has {len(body)} bytes, expected {want}")
+        self.phase = _ORDER[ftype]
+        if ftype == PAGE:
+            (idx,) = _U32.unpack_from(body)
+            if idx >= self.n or idx in self.pages:
+                raise TransferError(f"unexpected KV page index {idx}")
+            self.pages[idx] = body
+        elif ftype == SCALES:
+            self.scales_body = body
+        elif ftype == GENSTATE:
+            self.gen_body = body
+        else:
+            (count,) = _U32.unpack(body)
+            if count != self.n or len(self.pages) != self.n:
+                raise TransferError(
+                    f"KV handoff ended with {len(self.pages)} of {self.n} pages (END says {count})"
+                )
+            if self.h["has_scales"] and self.scales_body is None:
+                raise TransferError("KV handoff is missing its FP8 scales")
+            if self.h["generator_state_len"] and self.gen_body is None:
+                raise TransferError("KV handoff is missing its generator state")
+            return True
+        return False
+
+    def build(self) -> KVPayload:
+        """The payload (run in a worker thread: it copies every page once)."""
+        n, lim = self.n, self.limits
+        flat = np.empty((n, self.page_bytes), dtype=np.uint8)
+        for i in range(n):
+            flat[i] = np.frombuffer(self.pages.pop(i), dtype=np.uint8, offset=4)
+        dtype = torch_dtype(self.dtype_name)
+        elem = torch.empty((), dtype=dtype).element_size()
+        comps = lim.components
+        sizes = {c: int(np.prod(lim.page_shape(c))) * elem for c in comps}
+        t, off, layers = torch.from_numpy(flat), 0, []
+        for _ in range(lim.num_layers):
             d = {}
-            for c in self.comps:
-                k = int(torch.Size(shapes[c]).numel())
-                d[c] = flat[off : off + k].reshape(shapes[c]).clone()
-                off += k
-            out.append(d)
-        self.scales = out
-
-    def finish(self, end_body: bytes) -> KVPayload:
-        (count,) = _U32.unpack(end_body)
-        if count != len(self.seen) or not all(self.seen):
-            raise TransferError(f"KV handoff ended with {sum(self.seen)} of {len(self.seen)} pages")
-        if self.h.get("has_scales") and self.scales is None:
-            raise TransferError("KV handoff is missing its FP8 scales")
+            for c in comps:
+                d[c] = t[:, off : off + sizes[c]].contiguous().view(dtype).reshape(n, *lim.page_shape(c))
+                off += sizes[c]
+            layers.append(d)
+        del t, flat
+        scales = None
+        if self.scales_body is not None:
+            vals = torch.from_numpy(np.frombuffer(self.scales_body, dtype=np.float32).copy())
+            if not bool(torch.isfinite(vals).all()) or not bool((vals > 0).all()):
+                raise TransferError("KV scales must be finite and positive", "invalid")
+            scales, off = [], 0
+            for _ in range(lim.num_layers):
+                d = {}
+                for c in comps:
+                    k = lim.scale_shape(c)[0]
+                    d[c] = vals[off : off + k].clone()
+                    off += k
+                scales.append(d)
+        gen = None
+        if self.gen_body is not None:
+            gen = torch.from_numpy(np.frombuffer(self.gen_body, dtype=np.uint8).copy())
+            try:
+                torch.Generator().set_state(gen)
+            except RuntimeError as exc:
+                raise TransferError(f"KV generator state is not valid: {exc}", "invalid") from exc
+        h = self.h
         return KVPayload(
-            self.h["request_id"],
-            list(self.h["prompt_token_ids"]),
-            int(self.h["first_token"]),
-            int(self.h["page_size"]),
-            self.h["kv_format"],
-            self.layers,
-            self.scales,
-            self.gen,
-            int(self.h.get("num_cached_tokens", 0)),
+            h["request_id"],
+            list(h["prompt_token_ids"]),
+            h["first_token"],
+            h["page_size"],
+            h["kv_format"],
+            layers,
+            scales,
+            gen,
+            h["num_cached_tokens"],
         )
 
 
@@ -211,6 +282,8 @@ class _Assembler:
 
 
 Handler = Callable[[str, KVPayload], Awaitable[None]]
+Claim = Callable[[str], str | None]  # ticket -> None (claimed now) or why not ("unknown", "replayed")
+OnError = Callable[[str, str, str | None], None]  # reason, message, claimed ticket or None
 
 
 class KVSender(Protocol):
@@ -231,55 +304,72 @@ class KVReceiver(Protocol):
 class TcpKVSender:
     """Sends a payload to ``host:port`` and waits for the receiver's ACK."""
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, auth: InternalAuth, timeout: float = 60.0) -> None:
+        self.auth = auth
         self.timeout = timeout
 
     async def send(self, address: str, ticket: str, payload: KVPayload) -> TransferStats:
         host, _, port = address.rpartition(":")
         t0 = time.perf_counter()
-        frames = await asyncio.to_thread(payload_frames, ticket, payload)
+        frames = await asyncio.to_thread(payload_frames, ticket, payload, self.auth)
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.timeout)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:
             raise TransferError(f"cannot connect to the decode worker's KV port {address}: {exc}") from exc
         try:
-            for f in frames:
-                writer.write(f)
-                await writer.drain()
-            ftype, body = await asyncio.wait_for(read_frame(reader), self.timeout)
-        except (OSError, TimeoutError) as exc:
+            try:
+                for f in frames:
+                    writer.write(f)
+                    await writer.drain()
+            except OSError:
+                pass  # the receiver may refuse early and close: its ACK says why
+            ftype, body = await read_frame(reader, lambda t: MAX_ACK if t == ACK else -1, self.timeout)
+            ack = json.loads(body)
+        except (OSError, ValueError) as exc:
             raise TransferError(f"KV handoff to {address} failed: {exc!r}") from exc
+        except TransferError as exc:
+            raise TransferError(f"KV handoff to {address} failed: {exc}", exc.reason) from exc
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
-        if ftype != ACK:
-            raise TransferError(f"expected an ACK frame, got type {ftype}")
-        ack = json.loads(body)
-        if not ack.get("ok"):
-            raise TransferError(f"the decode worker refused the KV pages: {ack.get('error')}")
+        if not isinstance(ack, dict) or not ack.get("ok"):
+            err = ack.get("error") if isinstance(ack, dict) else ack
+            raise TransferError(f"the decode worker refused the KV pages: {err}", "refused")
         return TransferStats(payload.num_pages, sum(len(f) for f in frames), time.perf_counter() - t0)
 
 
 class TcpKVReceiver:
     """Accepts handoffs on a TCP port; each verified payload goes to ``handler(ticket, payload)``,
-    whose exception (or a framing/checksum error) is answered as a refusal."""
+    whose exception (or any refusal before it) is answered as a refusing ACK."""
 
     def __init__(
         self,
         host: str,
         port: int,
         handler: Handler,
+        auth: InternalAuth,
+        limits: KVLimits,
+        claim: Claim,
         advertise_host: str | None = None,
-        on_error: Callable[[str, str | None], None] | None = None,
+        on_error: OnError | None = None,
+        on_auth_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.host = host
         self.port = port
         self.handler = handler
+        self.auth = auth
+        self.limits = limits
+        self.claim = claim
         self.advertise_host = advertise_host or host
         self.on_error = on_error
+        self.on_auth_failure = on_auth_failure
         self.address = ""
+        self.active = 0  # connections being served
+        self.reserved_pages = 0  # pages announced by the handoffs in flight
         self._server: asyncio.base_events.Server | None = None
+        self._last_log = 0.0
+        self._quiet = 0
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._conn, self.host, self.port)
@@ -293,46 +383,92 @@ class TcpKVReceiver:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
+    def _refused(self, reason: str, message: str, ticket: str | None) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= 1.0:  # a flood of bad connections must not flood the log
+            more = f" (+{self._quiet} more refusals)" if self._quiet else ""
+            log.warning("KV handoff refused (%s, ticket %s): %s%s", reason, ticket, message, more)
+            self._last_log, self._quiet = now, 0
+        else:
+            self._quiet += 1
+        if self.on_error:
+            self.on_error(reason, message, ticket)
+
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ticket: str | None = None
+        state: dict[str, Any] = {"ticket": None, "pages": 0}
+        ack: dict[str, Any] = {"ok": True}
+        busy = self.active >= self.limits.max_handoffs
+        self.active += 0 if busy else 1
         try:
             try:
-                ftype, body = await read_frame(reader)
-                if ftype != HEADER:
-                    raise TransferError(f"a KV handoff must start with a header, got type {ftype}")
-                header = json.loads(body)
-                ticket = str(header["ticket"])
-                asm = _Assembler(header)
-                while True:
-                    ftype, body = await read_frame(reader)
-                    if ftype == PAGE:
-                        asm.page(body)
-                    elif ftype == SCALES:
-                        asm.set_scales(body)
-                    elif ftype == GENSTATE:
-                        asm.gen = torch.frombuffer(bytearray(body), dtype=torch.uint8).clone()
-                    elif ftype == END:
-                        payload = asm.finish(body)
-                        break
-                    else:
-                        raise TransferError(f"unexpected frame type {ftype}")
-            except (TransferError, KeyError, ValueError, TypeError) as exc:
-                log.warning("KV handoff refused (ticket %s): %s", ticket, exc)
-                if self.on_error:
-                    self.on_error(str(exc), ticket)
-                writer.write(encode_frame(ACK, json.dumps({"ok": False, "error": str(exc)}).encode()))
-                await writer.drain()
-                return
-            try:
-                await self.handler(ticket, payload)
-            except Exception as exc:
-                writer.write(encode_frame(ACK, json.dumps({"ok": False, "error": str(exc)}).encode()))
-            else:
-                writer.write(encode_frame(ACK, b'{"ok": true}'))
-            await writer.drain()
-        except (OSError, asyncio.IncompleteReadError):
-            pass
+                if busy:
+                    raise TransferError(f"busy: {self.limits.max_handoffs} KV handoffs in flight", "busy")
+                try:
+                    async with asyncio.timeout(self.limits.handoff_deadline_s):
+                        payload = await self._receive(reader, state)
+                except TimeoutError as exc:
+                    msg = f"the KV handoff took longer than {self.limits.handoff_deadline_s}s"
+                    raise TransferError(msg, "timeout") from exc
+                try:
+                    await self.handler(state["ticket"], payload)
+                except Exception as exc:
+                    raise TransferError(str(exc), "refused") from exc
+            except TransferError as exc:
+                ack = {"ok": False, "error": str(exc)[:MAX_ERROR_CHARS]}
+                self._refused(exc.reason, str(exc), state["ticket"])
+            except (OSError, EOFError) as exc:
+                ack = {"ok": False, "error": f"connection lost: {exc!r}"[:MAX_ERROR_CHARS]}
+                self._refused("closed", repr(exc), state["ticket"])
+            except Exception as exc:  # a bug must still be answered, counted and fail the request
+                log.exception("KV receiver error")
+                ack = {"ok": False, "error": f"internal error: {type(exc).__name__}"}
+                self._refused("internal", f"{type(exc).__name__}: {exc}", state["ticket"])
+            with contextlib.suppress(Exception):
+                writer.write(encode_frame(ACK, json.dumps(ack).encode()))
+                await asyncio.wait_for(writer.drain(), self.limits.frame_timeout_s)
         finally:
+            self.active -= 0 if busy else 1
+            self.reserved_pages -= state["pages"]
             writer.close()
             with contextlib.suppress(Exception):
-                await writer.wait_closed()
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    async def _receive(self, reader: asyncio.StreamReader, state: dict[str, Any]) -> KVPayload:
+        """Header (MAC, ticket, fields), then the frames it announced; the assembled payload."""
+        lim, timeout = self.limits, self.limits.frame_timeout_s
+        header_max = MAC_BYTES + lim.max_header_bytes
+        _, body = await read_frame(reader, lambda t: header_max if t == HEADER else -1, timeout)
+        raw = body[MAC_BYTES:]
+        if len(body) < MAC_BYTES or not self.auth.check_kv_mac(raw, body[:MAC_BYTES]):
+            self._auth_failure("bad_mac")
+            raise TransferError("the KV header's MAC is wrong (internal token mismatch?)", "auth")
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise TransferError(f"the KV header is not JSON: {exc}", "invalid") from exc
+        ticket = header.get("ticket") if isinstance(header, dict) else None
+        if not isinstance(ticket, str):
+            raise TransferError("the KV header names no ticket", "invalid")
+        why = self.claim(ticket)
+        if why is not None:
+            self._auth_failure(f"{why}_ticket")
+            raise TransferError(f"KV ticket refused: {why}", "auth")
+        state["ticket"] = ticket
+        try:
+            check_header(header, lim, lim.free_pages() - self.reserved_pages)
+        except NoRoom as exc:
+            raise TransferError(str(exc), "busy") from exc
+        except HeaderError as exc:
+            raise TransferError(str(exc), "invalid") from exc
+        state["pages"] = header["num_pages"]
+        self.reserved_pages += state["pages"]
+        asm = _Assembler(header, lim)
+        while True:
+            ftype, body = await read_frame(reader, asm.max_len, timeout)
+            if asm.add(ftype, body):
+                break
+        return await asyncio.to_thread(asm.build)
+
+    def _auth_failure(self, reason: str) -> None:
+        if self.on_auth_failure:
+            self.on_auth_failure(reason)

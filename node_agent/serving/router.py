@@ -6,6 +6,10 @@ router has sent it before, then the lightest load) and asks it to prefill and ha
 that decode worker; tokens stream back through the router. A worker that fails a health poll or a
 request is skipped until its ``/internal/state`` answers ready again; clients whose stream breaks
 get an error event at once.
+
+Every internal call carries the internal token's proof (internal_auth.py); the decode worker's
+grant for its ticket is forwarded to the prefill worker. ``open_all`` admits a request's choices
+together: more than ``max_inflight`` at once is a 400, more than the room left now a 429.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import httpx
 from pagoda.node_agent.serving.async_engine import RequestFailed
 from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
 from pagoda.node_agent.serving.disagg_worker import params_to_json
+from pagoda.node_agent.serving.internal_auth import InternalAuth
 from pagoda.node_agent.serving.metrics import ServeMetrics
 from pagoda.node_agent.serving.protocol import ApiError
 
@@ -46,6 +51,7 @@ class RouterSettings:
     health_interval_s: float = 1.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 120.0
+    max_inflight: int = 256  # requests (choices) open through this router at once
 
 
 @dataclass
@@ -78,11 +84,13 @@ def prefix_keys(req: GenRequest) -> list[bytes]:
 class Router:
     """A Backend for the API server that generates through prefill and decode workers."""
 
-    def __init__(self, settings: RouterSettings, metrics: ServeMetrics) -> None:
+    def __init__(self, settings: RouterSettings, metrics: ServeMetrics, auth: InternalAuth) -> None:
         if not settings.prefill or not settings.decode:
             raise ValueError("the router needs --prefill-endpoints and --decode-endpoints")
         self.settings = settings
         self.metrics = metrics
+        self.auth = auth
+        self.inflight = 0  # admitted choices not yet finished
         self.prefill = [Worker(u.rstrip("/"), "prefill") for u in settings.prefill]
         self.decode = [Worker(u.rstrip("/"), "decode") for u in settings.decode]
         self.sessions: OrderedDict[tuple[str, str], Worker] = OrderedDict()
@@ -121,7 +129,9 @@ class Router:
     async def _poll_one(self, w: Worker) -> None:
         assert self._client is not None
         try:
-            r = await self._client.get(w.url + "/internal/state", timeout=2.0)
+            r = await self._send("GET", w.url + "/internal/state", timeout=2.0)
+            if r.status_code in (401, 403):
+                w.mark_down(f"it refused the internal token ({r.status_code}): check the shared token")
             state = r.json() if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError) as exc:
             w.mark_down(repr(exc))
@@ -192,7 +202,60 @@ class Router:
         while len(w.prefixes) > PREFIX_INDEX_SIZE:
             w.prefixes.popitem(last=False)
 
+    def _signed(self, method: str, url: str, **kw: Any) -> httpx.Request:
+        """A request to a worker carrying the internal token's proof."""
+        assert self._client is not None, "router not started"
+        req = self._client.build_request(method, url, **kw)
+        req.headers.update(self.auth.headers(method, req.url.path))
+        return req
+
+    async def _send(self, method: str, url: str, stream: bool = False, **kw: Any) -> httpx.Response:
+        assert self._client is not None, "router not started"
+        return await self._client.send(self._signed(method, url, **kw), stream=stream)
+
+    def _admit(self, n: int) -> None:
+        """Take ``n`` slots of ``max_inflight`` at once, or refuse them all."""
+        limit = self.settings.max_inflight
+        if n > limit:
+            raise ApiError(
+                400,
+                f"n: {n} choices are more than this server runs at once ({limit})",
+                param="n",
+                code="too_many_choices",
+            )
+        if self.inflight + n > limit:
+            raise ApiError(
+                429,
+                f"the server is busy ({self.inflight} of {limit} requests in flight); retry later",
+                code="queue_full",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        self.inflight += n
+
+    def _release(self) -> None:
+        self.inflight -= 1
+
+    async def open_all(self, reqs: list[GenRequest]) -> list[RouterHandle]:
+        """Open every choice of one API request, or none: admitted together before any work, a
+        failure aborts the ones already opened."""
+        self._admit(len(reqs))
+        handles: list[RouterHandle] = []
+        try:
+            for r in reqs:
+                handles.append(await self._open(r))
+        except BaseException:
+            for h in handles:
+                h.abort()
+            self.inflight -= len(reqs) - len(handles)  # the handles release their own slots
+            raise
+        return handles
+
     async def open(self, req: GenRequest) -> RouterHandle:
+        return (await self.open_all([req]))[0]
+
+    async def _open(self, req: GenRequest) -> RouterHandle:
+        """One choice, its slot already admitted (the handle releases it when it ends)."""
         assert self._client is not None, "router not started"
         t0 = time.perf_counter()
         rid = req.request_id or uuid.uuid4().hex
@@ -208,14 +271,13 @@ class Router:
         try:
             body = {"request_id": rid, "params": params_to_json(req.params)}
             try:
-                stream = await self._client.send(
-                    self._client.build_request("POST", dec.url + "/internal/decode", json=body), stream=True
-                )
+                stream = await self._send("POST", dec.url + "/internal/decode", stream=True, json=body)
                 if stream.status_code != 200:
-                    raise ApiError(stream.status_code, (await stream.aread()).decode(errors="replace")[:500])
+                    raise _worker_error(dec, stream.status_code, await stream.aread())
                 lines = stream.aiter_lines()
                 first = json.loads(await anext(lines))
-            except (httpx.HTTPError, StopAsyncIteration, ValueError) as exc:
+                grant = (first["kv_address"], first["ticket"], first["grant"])
+            except (httpx.HTTPError, StopAsyncIteration, ValueError, KeyError, TypeError) as exc:
                 dec.mark_down(repr(exc))
                 raise ApiError(
                     503,
@@ -230,11 +292,12 @@ class Router:
                 "params": params_to_json(req.params),
                 "cache_salt": req.cache_salt,
                 "request_id": rid,
-                "kv_address": first["kv_address"],
-                "ticket": first["ticket"],
+                "kv_address": grant[0],
+                "ticket": grant[1],
+                "grant": grant[2],
             }
             try:
-                r = await self._client.post(pre.url + "/internal/prefill", json=pbody)
+                r = await self._send("POST", pre.url + "/internal/prefill", json=pbody)
             except httpx.HTTPError as exc:
                 pre.mark_down(repr(exc))
                 raise ApiError(
@@ -244,7 +307,16 @@ class Router:
                     type_="server_error",
                     headers={"Retry-After": "1"},
                 ) from exc
-            answer = r.json()
+            if r.status_code in (401, 403):
+                raise _worker_error(pre, r.status_code, r.content)
+            try:
+                answer = r.json()
+            except ValueError as exc:
+                raise ApiError(
+                    502,
+                    f"prefill worker {pre.url} answered {r.status_code} without JSON",
+                    type_="server_error",
+                ) from exc
             if r.status_code != 200:
                 err = answer.get("error") or {}
                 headers = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else {}
@@ -283,8 +355,24 @@ class Router:
         )
 
 
+def _worker_error(w: Worker, status: int, body: bytes) -> ApiError:
+    """A worker's refusal of the router's own call, as the API's error."""
+    text = body.decode(errors="replace")[:500]
+    if status in (401, 403):
+        w.mark_down(f"it refused the internal token ({status})")
+        msg = f"{w.role} worker {w.url} refused the router's internal token; check the shared token"
+        return ApiError(502, msg, code="internal_auth_failed", type_="server_error")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(text)["error"]
+        return ApiError(
+            status, str(err["message"]), err.get("param"), err.get("code"), err.get("type", "server_error")
+        )
+    return ApiError(status, text, type_="server_error")
+
+
 class RouterHandle:
-    """Token chunks relayed from a decode worker; ``abort`` closes the stream (the worker aborts)."""
+    """Token chunks relayed from a decode worker; ``abort`` closes the stream (the worker aborts).
+    The handle holds one of the router's ``max_inflight`` slots until it ends or is aborted."""
 
     def __init__(
         self,
@@ -307,6 +395,12 @@ class RouterHandle:
         self.cached_tokens = cached_tokens
         self._closed = final is not None
         self._started = False
+        self._slot = True
+
+    def _release(self) -> None:
+        if self._slot:
+            self._slot = False
+            self.router._release()
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._iter()
@@ -317,6 +411,7 @@ class RouterHandle:
         if self._final is not None:
             m.ttft.labels(m.pool).observe(time.perf_counter() - self.t0)
             m.outcome(self._final.finish_reason or "stop")
+            self._release()
             yield self._final
             return
         assert self._stream is not None
@@ -366,11 +461,13 @@ class RouterHandle:
         finally:
             m.outcome(outcome)
             self.worker.inflight -= 1
+            self._release()
             self._closed = True
             with contextlib.suppress(Exception):
                 await asyncio.shield(resp.aclose())
 
     def abort(self) -> None:
+        self._release()
         if self._closed or self._stream is None:
             return
         self._closed = True
