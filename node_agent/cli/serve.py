@@ -69,6 +69,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decode worker: address prefill workers connect to (default: this host's address)",
     )
     p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="router/prefill/decode: file holding the internal token they share (default: "
+        "$PAGODA_INTERNAL_TOKEN_FILE, else $PAGODA_INTERNAL_TOKEN)",
+    )
+    p.add_argument(
+        "--kv-frame-timeout", type=float, default=10.0, help="decode worker: seconds one KV frame may take"
+    )
+    p.add_argument(
+        "--kv-handoff-deadline",
+        type=float,
+        default=60.0,
+        help="decode worker: seconds one KV handoff may take",
+    )
+    p.add_argument(
+        "--kv-max-handoffs",
+        type=int,
+        default=8,
+        help="decode worker: KV handoffs received at once (more: busy)",
+    )
+    p.add_argument(
         "--report-interval",
         type=float,
         default=None,
@@ -97,6 +118,9 @@ def build_app(a: argparse.Namespace, engine=None):
     tenancy = TenantPolicy.from_settings(a.tenant_header, a.tenant_secret, a.shared_cache_scope)
     if a.tensor_parallel != 1:
         raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
+    from pagoda.node_agent.serving.internal_auth import auth_for_role
+
+    internal = auth_for_role(a.role, a.internal_token_file)  # before any model load: fail fast
     if a.role == "router":
         from pagoda.node_agent.serving.router import Router, RouterSettings
 
@@ -107,8 +131,10 @@ def build_app(a: argparse.Namespace, engine=None):
                 decode=[u for u in a.decode_endpoints.split(",") if u.strip()],
                 session_affinity=not a.no_session_affinity,
                 prefix_aware=not a.no_prefix_caching,
+                max_inflight=a.max_queue,
             ),
             metrics,
+            internal,
         )
         settings = ApiSettings(
             served_names(a),
@@ -147,9 +173,14 @@ def build_app(a: argparse.Namespace, engine=None):
         a.role,
         aeng,
         metrics,
+        internal,
         kv_port=a.kv_port if a.kv_port is not None else a.port + 1000,
         kv_host=a.host,
         advertise_host=a.kv_advertise_host,
+        max_body_bytes=a.max_body_bytes,
+        kv_frame_timeout_s=a.kv_frame_timeout,
+        kv_deadline_s=a.kv_handoff_deadline,
+        kv_max_handoffs=a.kv_max_handoffs,
     )
     settings.extra_routes.append(worker.routes)
     settings.on_startup.append(worker.start)
