@@ -37,13 +37,35 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tenant-header",
         default="X-Pagoda-Tenant",
-        help="request header naming the tenant (salts the prefix cache), e.g. Authorization",
+        help="request header naming the tenant (salts the prefix cache); read only with "
+        "--trust-tenant-header",
+    )
+    p.add_argument(
+        "--trust-tenant-header",
+        action="store_true",
+        help="trust the --tenant-header set by a gateway in front (with --api-keys too, the key "
+        "authenticates the gateway and the header, when present, names the tenant)",
+    )
+    p.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="public API keys, one 'TENANT KEY' or 'TENANT sha256:HEX' per line; each request needs "
+        "'Authorization: Bearer KEY' and its tenant comes from the key (default: "
+        "$PAGODA_API_KEYS_FILE; without either the API is open and single-tenant)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a whole request body before 408",
     )
     p.add_argument(
         "--tenant-secret",
         default=None,
-        help="HMAC key for tenant salts (default: $PAGODA_TENANT_SECRET, else random)",
+        help="HMAC key for tenant salts (default: --tenant-secret-file, $PAGODA_TENANT_SECRET, random)",
     )
+    p.add_argument("--tenant-secret-file", default=None, help="file holding the HMAC key for tenant salts")
     p.add_argument(
         "--shared-cache-scope",
         default=None,
@@ -112,10 +134,20 @@ def pool_label(role: str) -> str:
 def build_app(a: argparse.Namespace, engine=None):
     """The FastAPI app for ``a.role`` (``engine``: an LLMEngine to reuse instead of loading one)."""
     from pagoda.node_agent.serving.api_server import ApiSettings, create_app
+    from pagoda.node_agent.serving.auth import ApiKeys
     from pagoda.node_agent.serving.metrics import ServeMetrics
     from pagoda.node_agent.serving.tenancy import TenantPolicy
 
-    tenancy = TenantPolicy.from_settings(a.tenant_header, a.tenant_secret, a.shared_cache_scope)
+    api_keys = ApiKeys.from_settings(a.api_keys) if a.role in ("both", "router") else None
+    tenancy = TenantPolicy.from_settings(
+        a.tenant_header,
+        a.tenant_secret,
+        a.shared_cache_scope,
+        secret_file=a.tenant_secret_file,
+        trust_header=a.trust_tenant_header,
+        keyed=api_keys is not None,
+    )
+    public = {"api_keys": api_keys, "body_timeout_s": a.body_timeout}
     if a.tensor_parallel != 1:
         raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
     from pagoda.node_agent.serving.internal_auth import auth_for_role
@@ -141,6 +173,7 @@ def build_app(a: argparse.Namespace, engine=None):
             tenancy,
             metrics,
             a.max_body_bytes,
+            **public,
             on_startup=[router.start],
             on_shutdown=[router.stop],
         )
@@ -158,7 +191,7 @@ def build_app(a: argparse.Namespace, engine=None):
     metrics = ServeMetrics(pool_label(a.role), snapshot=lambda: holder["engine"].snapshot())
     aeng = AsyncEngine(engine, metrics, max_queue=a.max_queue, model_name=a.model)
     holder["engine"] = aeng
-    settings = ApiSettings(served_names(a), tenancy, metrics, a.max_body_bytes)
+    settings = ApiSettings(served_names(a), tenancy, metrics, a.max_body_bytes, **public)
     settings.on_startup.append(_async(aeng.start))
     settings.on_shutdown.append(_async(aeng.stop))
     _add_reporter(a, settings, aeng)

@@ -3,6 +3,12 @@
 ``create_app`` builds the app over a Backend: the local engine (``--role both``) or the router
 (``--role router``). Every accepted request ends with a result, a final SSE chunk and ``[DONE]``,
 or an explicit error; a client that disconnects has its requests aborted (their pages freed).
+
+Every answer that is not a success is OpenAI-shaped JSON, whatever failed: API errors, HTTP
+errors (404, 405), validation errors and unexpected exceptions (500 ``internal_error``, logged with
+the traceback, no internals in the message). With API keys configured, every path but the probes
+(/health, /ready, /metrics) needs ``Authorization: Bearer KEY`` and is refused with 401 before
+its body is read; the key's tenant salts the prefix cache (see tenancy.py).
 """
 
 from __future__ import annotations
@@ -15,9 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda.node_agent.serving.async_engine import RequestFailed
+from pagoda.node_agent.serving.auth import ApiKeys
 from pagoda.node_agent.serving.backend import Backend, GenRequest, Handle, StreamChunk
 from pagoda.node_agent.serving.metrics import ServeMetrics
 from pagoda.node_agent.serving.protocol import (
@@ -35,6 +46,8 @@ from pagoda.node_agent.serving.tenancy import TenantPolicy
 log = logging.getLogger("pagoda.api")
 
 SESSION_HEADER = "x-session-affinity"
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes: never behind API keys
+TENANT_SCOPE_KEY = "pagoda.tenant"  # the authenticated tenant, set in the ASGI scope
 
 
 @dataclass
@@ -45,6 +58,8 @@ class ApiSettings:
     tenancy: TenantPolicy
     metrics: ServeMetrics
     max_body_bytes: int = 1 << 20
+    api_keys: ApiKeys | None = None  # None: no authentication
+    body_timeout_s: float = 30.0  # to receive a whole request body
     default_max_tokens: int = 16
     default_chat_max_tokens: int = 256
     extra_routes: list[Callable[[FastAPI], None]] = field(default_factory=list)
@@ -54,6 +69,72 @@ class ApiSettings:
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def internal_error() -> ApiError:
+    return ApiError(
+        500, "the server failed to handle the request", code="internal_error", type_="server_error"
+    )
+
+
+def auth_error(reason: str) -> ApiError:
+    """401 for a request without a usable API key (``reason``: missing, malformed, unknown)."""
+    if reason == "missing":
+        msg, code = "missing API key: send 'Authorization: Bearer KEY'", "missing_api_key"
+    elif reason == "malformed":
+        msg, code = "malformed Authorization header: expected 'Bearer KEY'", "invalid_api_key"
+    else:
+        msg, code = "incorrect API key provided", "invalid_api_key"
+    return ApiError(401, msg, code=code, headers={"WWW-Authenticate": "Bearer"})
+
+
+class PublicAuth:
+    """ASGI middleware: every HTTP request outside OPEN_PATHS needs a known API key; the refusal
+    (401, counted in ``pagoda_auth_failures_total{plane="public"}``) comes before the body is read."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys, metrics: ServeMetrics) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        result = self.keys.check([v for k, v in scope["headers"] if k == b"authorization"])
+        if result.tenant is None:
+            self.metrics.auth_failures.labels(self.metrics.pool, "public", result.reason).inc()
+            await error_response(auth_error(result.reason))(scope, receive, send)
+            return
+        scope[TENANT_SCOPE_KEY] = result.tenant
+        await self.app(scope, receive, send)
+
+
+class CatchAll:
+    """ASGI middleware: an exception that escapes the app becomes a 500 JSON error (when no
+    response has started yet), logged once with its traceback."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            log.exception("unhandled error serving %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await error_response(internal_error())(scope, receive, send)
 
 
 def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
@@ -74,6 +155,11 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
     app.state.settings = settings
     app.state.backend = backend
     metrics = settings.metrics
+    if backend is not None:
+        settings.on_startup.insert(0, _log_tenancy(settings))
+        if settings.api_keys is not None:
+            app.add_middleware(PublicAuth, keys=settings.api_keys, metrics=metrics)
+    app.add_middleware(CatchAll)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -82,6 +168,24 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
         elif 400 <= exc.status < 500:
             metrics.outcome("invalid")
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+        return error_response(ApiError(exc.status_code, str(exc.detail), None, code, kind, exc.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        where = ".".join(str(x) for x in errors[0]["loc"]) if errors else "body"
+        msg = errors[0]["msg"] if errors else "invalid request"
+        return error_response(ApiError(400, f"{where}: {msg}", where, "invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(internal_error())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -112,38 +216,59 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
             ],
         }
 
+    async def body_of(request: Request, kind: type[CompletionRequest | ChatCompletionRequest]) -> Any:
+        raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        req = parse_body(raw, kind)
+        check_model(req.model, settings.model_names)
+        return req
+
+    def salt_of(request: Request) -> str:
+        return settings.tenancy.salt(request.headers, request.scope.get(TENANT_SCOPE_KEY))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(await read_body(request, settings.max_body_bytes), CompletionRequest)
-        assert isinstance(req, CompletionRequest)
-        check_model(req.model, settings.model_names)
+        req: CompletionRequest = await body_of(request, CompletionRequest)
         max_tokens = req.max_tokens or settings.default_max_tokens
-        salt = settings.tenancy.salt(request.headers)
+        salt = salt_of(request)
         session = request.headers.get(SESSION_HEADER)
+        n = req.choices_per_prompt
         gens = [
-            GenRequest(p, req.sampling(max_tokens, i * req.n + j), False, salt, session)
+            GenRequest(p, req.sampling(max_tokens, i * n + j), False, salt, session)
             for i, p in enumerate(req.prompts())
-            for j in range(req.n)
+            for j in range(n)
         ]
         return await respond(request, backend, gens, req, kind="text_completion", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = parse_body(await read_body(request, settings.max_body_bytes), ChatCompletionRequest)
-        assert isinstance(req, ChatCompletionRequest)
-        check_model(req.model, settings.model_names)
+        req: ChatCompletionRequest = await body_of(request, ChatCompletionRequest)
         max_tokens = req.requested_max_tokens() or settings.default_chat_max_tokens
-        salt = settings.tenancy.salt(request.headers)
+        salt = salt_of(request)
         session = request.headers.get(SESSION_HEADER)
         msgs = req.chat_messages()
-        gens = [GenRequest(msgs, req.sampling(max_tokens, j), True, salt, session) for j in range(req.n)]
+        gens = [
+            GenRequest(msgs, req.sampling(max_tokens, j), True, salt, session)
+            for j in range(req.choices_per_prompt)
+        ]
         return await respond(request, backend, gens, req, kind="chat.completion", chat=True)
 
     return app
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than ``limit`` bytes with 413 (declared or actual)."""
+def _log_tenancy(settings: ApiSettings) -> Callable[[], Awaitable[None]]:
+    async def hook() -> None:
+        line = settings.tenancy.describe()
+        if settings.tenancy.single_tenant:
+            log.warning("%s", line)
+        else:
+            log.info("%s", line)
+
+    return hook
+
+
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The body, refusing more than ``limit`` bytes with 413 (declared or actual) and a body not
+    received within ``timeout_s`` with 408."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(
@@ -151,11 +276,26 @@ async def read_body(request: Request, limit: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(
+                        413, f"request body exceeds the limit of {limit} bytes", code="body_too_large"
+                    )
+                chunks.append(chunk)
+    except TimeoutError as exc:
+        raise ApiError(
+            408,
+            f"the request body was not received within {timeout_s:g} s",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from exc
+    except ClientDisconnect as exc:
+        raise ApiError(
+            400, "the client disconnected before sending the whole body", code="client_disconnected"
+        ) from exc
     return b"".join(chunks)
 
 
@@ -170,7 +310,16 @@ def check_model(model: str, names: list[str]) -> None:
 
 
 async def open_all(backend: Backend, gens: list[GenRequest]) -> list[Handle]:
-    """Open every choice, or none: a failure aborts the ones already opened."""
+    """Every choice of a request, admitted at once by the backend (``Backend.open_all``)."""
+    opener = getattr(backend, "open_all", None)
+    if opener is not None:
+        return await opener(gens)
+    return await open_each(backend, gens)
+
+
+async def open_each(backend: Backend, gens: list[GenRequest]) -> list[Handle]:
+    """For a backend without ``open_all`` (not atomic): open one by one, a failure aborts the ones
+    already opened."""
     handles: list[Handle] = []
     try:
         for g in gens:
@@ -188,13 +337,13 @@ async def respond(
     handles = await open_all(backend, gens)
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = req.model
-    if req.stream:
+    if req.streaming:
         return StreamingResponse(
-            stream_events(handles, rid, model, chat, req.include_usage(), req.n),
+            stream_events(handles, rid, model, chat, req.include_usage(), req.choices_per_prompt),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await complete(request, handles, rid, model, kind, chat, req.n)
+    return await complete(request, handles, rid, model, kind, chat, req.choices_per_prompt)
 
 
 async def collect(handle: Handle) -> tuple[str, StreamChunk]:
@@ -225,12 +374,14 @@ async def complete(
         return Response(status_code=499)
     try:
         results = work.result()
-    except RequestFailed as exc:
+    except Exception as exc:
         for h in handles:
             h.abort()
-        raise ApiError(
-            500, f"the request failed: {exc}", code="request_failed", type_="server_error"
-        ) from exc
+        if isinstance(exc, RequestFailed):
+            raise ApiError(
+                500, f"the request failed: {exc}", code="request_failed", type_="server_error"
+            ) from exc
+        raise
     choices = []
     for i, (text, last) in enumerate(results):
         if chat:
@@ -300,46 +451,51 @@ async def stream_events(
             choice = {"index": i, "text": delta or "", "finish_reason": reason, "logprobs": None}
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice]}
 
+    def failure(exc: BaseException) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, RequestFailed):
+            return ApiError(500, f"the request failed: {exc}", code="request_failed", type_="server_error")
+        log.error("stream failed", exc_info=exc)
+        return internal_error()
+
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     open_ = len(handles)
     last: dict[int, StreamChunk] = {}
     failed = False
     try:
-        if chat:
-            for i in range(len(handles)):
-                yield sse(chunk(i, None, None, role=True))
-        while open_:
-            i, item = await merged.get()
-            if item is None:
-                open_ -= 1
-                continue
-            if isinstance(item, BaseException):
-                failed = True
-                err = ApiError(
-                    500, f"the request failed: {item}", code="request_failed", type_="server_error"
+        try:
+            if chat:
+                for i in range(len(handles)):
+                    yield sse(chunk(i, None, None, role=True))
+            while open_:
+                i, item = await merged.get()
+                if item is None:
+                    open_ -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    failed = True
+                    yield sse(failure(item).body())
+                    return
+                last[i] = item
+                if item.delta or item.finished:
+                    yield sse(chunk(i, item.delta, item.finish_reason if item.finished else None))
+            if include_usage:
+                lasts = [last[i] for i in sorted(last)]
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": now(),
+                        "model": model,
+                        "choices": [],
+                        "usage": total_usage(lasts, n),
+                    }
                 )
-                if not isinstance(item, RequestFailed | ApiError):
-                    log.exception("stream failed", exc_info=item)
-                if isinstance(item, ApiError):
-                    err = item
-                yield sse(err.body())
-                return
-            last[i] = item
-            if item.delta or item.finished:
-                yield sse(chunk(i, item.delta, item.finish_reason if item.finished else None))
-        if include_usage:
-            lasts = [last[i] for i in sorted(last)]
-            yield sse(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": now(),
-                    "model": model,
-                    "choices": [],
-                    "usage": total_usage(lasts, n),
-                }
-            )
-        yield sse("[DONE]")
+            yield sse("[DONE]")
+        except Exception as exc:  # after the headers: the stream ends with an error event, then nothing
+            failed = True
+            yield sse(failure(exc).body())
     finally:
         for t in tasks:
             t.cancel()

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.llm_engine import LLMEngine
@@ -42,6 +42,21 @@ class RequestFailed(RuntimeError):
     """A request ended with an error (integrity abort, engine failure): never shown as text."""
 
 
+class TooManyChoices(ValueError):
+    """A batch larger than the server can ever hold in flight at once; retrying will not help."""
+
+
+@dataclass
+class Submission:
+    """One request of a batch given to ``submit_many``."""
+
+    prompt: Prompt
+    params: SamplingParams
+    chat: bool = False
+    cache_salt: str = ""
+    request_id: str | None = None
+
+
 @dataclass
 class _Live:
     """Loop-thread bookkeeping of one in-flight request."""
@@ -57,10 +72,10 @@ class _Live:
 
 @dataclass
 class _Command:
-    kind: str  # "add" (queue a request with ``add``) | "abort" | "wake"
+    kind: str  # "add" (queue requests with ``add``) | "abort" | "wake"
     rid: str
     add: Callable[[LLMEngine], object] | None = None  # runs on the loop thread; raises on bad input
-    live: _Live | None = None
+    lives: list[_Live] = field(default_factory=list)  # what ``add`` queues, all or none
     done: concurrent.futures.Future | None = None
 
 
@@ -176,27 +191,56 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         return await self._submit(rid, lambda engine: engine.add_prefilled(payload, params, rid))
 
+    async def submit_many(self, subs: list[Submission]) -> list[RequestStream]:
+        """Queue every request of ``subs`` in one loop command, or none of them.
+
+        Raises TooManyChoices (more than can ever be in flight at once), QueueFull (not enough
+        free slots now), EngineDead, or the first request's RequestError (nothing queued)."""
+        if len(subs) > self.max_inflight:
+            raise TooManyChoices(
+                f"{len(subs)} choices in one request; this server holds at most {self.max_inflight} at once"
+            )
+        rids = [s.request_id or uuid.uuid4().hex for s in subs]
+
+        def add(engine: LLMEngine) -> None:
+            added: list[str] = []
+            try:
+                for s, rid in zip(subs, rids, strict=True):
+                    added.append(engine.add_request(s.prompt, s.params, rid, s.chat, s.cache_salt))
+            except BaseException:
+                for rid in added:  # not stepped yet: no page was allocated, no token computed
+                    engine.abort(rid, "another choice of the request was refused")
+                raise
+
+        return await self._submit_all(rids, add)
+
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Command("abort", request_id))
 
     async def _submit(self, rid: str, add: Callable[[LLMEngine], object]) -> RequestStream:
+        return (await self._submit_all([rid], add))[0]
+
+    async def _submit_all(self, rids: list[str], add: Callable[[LLMEngine], object]) -> list[RequestStream]:
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDead(self._dead or "the engine loop is not running")
         with self._lock:
-            if self._inflight >= self.max_inflight:
-                raise QueueFull(f"{self._inflight} requests in flight (limit {self.max_inflight})")
-            self._inflight += 1
+            if self._inflight + len(rids) > self.max_inflight:
+                raise QueueFull(
+                    f"{self._inflight} requests in flight, {len(rids)} more asked (limit {self.max_inflight})"
+                )
+            self._inflight += len(rids)
         loop = asyncio.get_running_loop()
-        live = _Live(rid, loop, asyncio.Queue(), time.perf_counter())
+        lives = [_Live(rid, loop, asyncio.Queue(), time.perf_counter()) for rid in rids]
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Command("add", rid, add, live, done))
+        self._cmds.put(_Command("add", rids[0], add, lives, done))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             if not done.done() or done.exception() is None:
-                self.abort(rid)  # cancelled while queued: make sure it does not run unseen
+                for rid in rids:  # cancelled while queued: make sure they do not run unseen
+                    self.abort(rid)
             raise
-        return RequestStream(self, live)
+        return [RequestStream(self, live) for live in lives]
 
     # ------------------------------------------------------------------ the loop thread
 
@@ -238,17 +282,18 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(live, out)
             return
-        if cmd.kind != "add" or cmd.add is None or cmd.live is None or cmd.done is None:
+        if cmd.kind != "add" or cmd.add is None or not cmd.lives or cmd.done is None:
             return
         try:
             cmd.add(self.engine)
         except Exception as exc:
-            self._release()
+            self._release(len(cmd.lives))
             if self.metrics:
                 self.metrics.outcome("invalid" if isinstance(exc, (RequestError, ValueError)) else "error")
             cmd.done.set_exception(exc)
             return
-        self._live[cmd.rid] = cmd.live
+        for live in cmd.lives:
+            self._live[live.rid] = live
         cmd.done.set_result(cmd.rid)
 
     def _step(self) -> None:
@@ -309,9 +354,9 @@ class AsyncEngine:
             m.cached_tokens.labels(m.pool).inc(out.num_cached_tokens)
             m.e2e.labels(m.pool).observe(time.perf_counter() - live.arrival)
 
-    def _release(self) -> None:
+    def _release(self, n: int = 1) -> None:
         with self._lock:
-            self._inflight -= 1
+            self._inflight -= n
 
     def _deliver(self, live: _Live, item: RequestOutput | BaseException) -> None:
         try:
@@ -330,7 +375,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd.kind == "add" and cmd.done is not None and not cmd.done.done():
-                self._release()
+                self._release(len(cmd.lives))
                 cmd.done.set_exception(EngineDead(message))
 
     def _maybe_snapshot(self) -> None:

@@ -66,7 +66,8 @@ class Handle(Protocol):
 
 
 class Backend(Protocol):
-    """Starts generations; ``open`` raises ApiError before anything is streamed when it cannot."""
+    """Starts generations; ``open`` and ``open_all`` raise ApiError before anything is streamed
+    when they cannot."""
 
     @property
     def ready(self) -> bool: ...
@@ -74,3 +75,9 @@ class Backend(Protocol):
     def ready_detail(self) -> dict[str, Any]: ...
 
     async def open(self, req: GenRequest) -> Handle: ...
+
+    async def open_all(self, reqs: list[GenRequest]) -> list[Handle]:
+        """Start every choice of one API request, or none: the whole set is admitted or refused at
+        once (400 when it can never fit or a prompt is invalid, 429 when it does not fit now),
+        before any of them does work."""
+        ...

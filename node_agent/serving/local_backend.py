@@ -12,6 +12,8 @@ from pagoda.node_agent.serving.async_engine import (
     QueueFull,
     RequestFailed,
     RequestStream,
+    Submission,
+    TooManyChoices,
 )
 from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
 from pagoda.node_agent.serving.protocol import ApiError
@@ -31,6 +33,10 @@ def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
     else:
         param = prompt_field if "prompt" in msg else None
     return ApiError(400, msg, param=param, code="invalid_value")
+
+
+def too_many_error(exc: Exception) -> ApiError:
+    return ApiError(400, str(exc), param="n", code="too_many_choices")
 
 
 def busy_error(exc: Exception) -> ApiError:
@@ -98,5 +104,19 @@ class LocalBackend:
             raise busy_error(exc) from exc
         return LocalHandle(stream)
 
+    async def open_all(self, reqs: list[GenRequest]) -> list[LocalHandle]:
+        if not reqs:
+            return []
+        subs = [Submission(r.prompt, r.params, r.chat, r.cache_salt, r.request_id) for r in reqs]
+        try:
+            streams = await self.engine.submit_many(subs)
+        except TooManyChoices as exc:
+            raise too_many_error(exc) from exc
+        except RequestError as exc:
+            raise request_error(exc, "messages" if reqs[0].chat else "prompt") from exc
+        except (QueueFull, EngineDead, CapacityError) as exc:
+            raise busy_error(exc) from exc
+        return [LocalHandle(s) for s in streams]
 
-__all__ = ["LocalBackend", "LocalHandle", "RequestFailed", "busy_error", "request_error"]
+
+__all__ = ["LocalBackend", "LocalHandle", "RequestFailed", "busy_error", "request_error", "too_many_error"]

@@ -1,11 +1,21 @@
-"""OpenAI-compatible request and response shapes, with validation that names the offending field."""
+"""OpenAI-compatible request and response shapes, with validation that names the offending field.
+
+What a request may hold is explicit: every field is either accepted (and implemented), accepted
+and ignored because it cannot change the output (``user``, ``metadata``, ``store``,
+``stream_options.include_usage`` is implemented), or an OpenAI field this server does not
+implement, refused with 400 "X is not supported" unless it holds its neutral value (null, false,
+an empty list or object, ``best_of: 1``, ``response_format: {"type": "text"}``...). Any other
+field is 400 "unknown field X". Numbers are strict: a bool is not an int, a float is not an int,
+a string is not a number. Every string of the body must be valid Unicode (no lone surrogates).
+"""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -13,6 +23,10 @@ from pagoda.node_agent.engine.sequence import SamplingParams
 
 MAX_N = 8
 MAX_PROMPTS = 32
+MAX_CHOICES = MAX_N * MAX_PROMPTS  # prompts x n of one request
+MAX_DEPTH = 32  # nesting of JSON arrays and objects in a body
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MODULUS = 2**64  # per-choice seeds are wrapped into the generator's range [0, 2**64)
 
 
 class ApiError(Exception):
@@ -36,29 +50,116 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": printable(self.message),
+                "type": self.type,
+                "param": None if self.param is None else printable(self.param),
+                "code": self.code,
+            }
+        }
 
 
-class _Request(BaseModel):
-    """Fields shared by completions and chat completions (unknown extra fields are ignored)."""
+def printable(s: str) -> str:
+    """``s`` with anything not encodable as UTF-8 (lone surrogates) escaped, so it can be sent."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
-    model_config = ConfigDict(extra="ignore", strict=False)
+
+# ---------------------------------------------------------------------------- field policy
+
+
+def _null(v: Any) -> bool:
+    return v is None
+
+
+def _null_or_false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _null_or_empty_list(v: Any) -> bool:
+    return v is None or v == []
+
+
+def _null_or_empty_dict(v: Any) -> bool:
+    return v is None or v == {}
+
+
+def _null_or(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+# OpenAI fields this server does not implement -> the values that mean "not used"
+COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logit_bias": _null_or_empty_dict,
+    "service_tier": _null_or("auto", "default"),
+}
+COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **COMMON_UNSUPPORTED,
+    "logprobs": _null_or_false,
+    "best_of": _null_or(1),
+    "echo": _null_or_false,
+    "suffix": _null_or(""),
+}
+CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    **COMMON_UNSUPPORTED,
+    "logprobs": _null_or_false,
+    "top_logprobs": _null,
+    "tools": _null_or_empty_list,
+    "tool_choice": _null_or("none"),
+    "functions": _null_or_empty_list,
+    "function_call": _null_or("none"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": _null,
+    "modalities": lambda v: v is None or v == [] or v == ["text"],
+    "prediction": _null,
+    "reasoning_effort": _null,
+    "web_search_options": _null,
+}
+MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "name": _null,
+    "tool_calls": _null_or_empty_list,
+    "tool_call_id": _null,
+    "function_call": _null,
+    "refusal": _null,
+    "audio": _null,
+}
+
+
+class ApiModel(BaseModel):
+    """Strict types; fields outside the model are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(ApiModel):
+    include_usage: bool | None = None
+
+
+class _Request(ApiModel):
+    """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=INT64_MAX)  # extension; 0 = off
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logprobs: Any = None
-    ignore_eos: bool = False
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    ignore_eos: bool | None = None  # extension
+    # accepted and ignored: they cannot change the output
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # accepted only with their neutral values (checked before the model is built)
+    logit_bias: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = COMMON_UNSUPPORTED
 
     @field_validator("stop")
     @classmethod
@@ -68,35 +169,45 @@ class _Request(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
+
     def unsupported(self) -> None:
         """Reject what the engine does not implement instead of ignoring it silently."""
-        if self.presence_penalty or self.frequency_penalty:
-            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise ApiError(400, f"{name} is not supported; send 0", param=name)
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs is not supported", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported; send 0", param=name, code="unsupported")
 
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling(self, max_tokens: int, index: int = 0) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        seed = None if self.seed is None else self.seed + index
+        seed = None if self.seed is None else (self.seed + index) % SEED_MODULUS
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=self.top_k or 0,
+            top_p=1.0 if self.top_p is None else self.top_p,
             seed=seed,
             stop=stop,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
         )
 
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    logprobs: bool | int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
     suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = COMPLETION_UNSUPPORTED
 
     @field_validator("prompt")
     @classmethod
@@ -115,24 +226,22 @@ class CompletionRequest(_Request):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def unsupported(self) -> None:
-        super().unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        if self.suffix:
-            raise ApiError(400, "suffix is not supported", param="suffix")
 
-
-class ContentPart(BaseModel):
+class ContentPart(ApiModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(ApiModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    # accepted only with their neutral values (checked before the model is built)
+    name: None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: None = None
+    function_call: None = None
+    refusal: None = None
+    audio: None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -142,7 +251,22 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    logprobs: bool | None = None
+    top_logprobs: None = None
+    tools: list[Any] | None = None
+    tool_choice: str | None = None
+    functions: list[Any] | None = None
+    function_call: str | None = None
+    response_format: dict[str, Any] | None = None
+    audio: None = None
+    modalities: list[str] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    web_search_options: None = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = CHAT_UNSUPPORTED
 
     def chat_messages(self) -> list[dict[str, str]]:
         role = {"developer": "system"}
@@ -152,23 +276,147 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
+# ---------------------------------------------------------------------------- parsing
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def parse_body(raw: bytes, kind: type[_Request]) -> _Request:
     """JSON bytes -> a validated request, or an ApiError naming the field."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise ApiError(400, "malformed JSON body: nested too deeply", code="invalid_json") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN, an int of >4300 digits
+        why = "an integer has too many digits" if "integer string conversion" in str(exc) else str(exc)
+        raise ApiError(400, f"malformed JSON body: {why}", code="invalid_json") from exc
     if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    check_strings(data)
+    check_fields(data, kind)
     try:
         req = kind.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else None
-        where = ".".join(str(x) for x in err["loc"]) or "body"
-        raise ApiError(400, f"{where}: {err['msg']}", param=field, code="invalid_value") from exc
+        err = exc.errors(include_url=False)[0]
+        where = loc_path(data, err["loc"], err["type"] in ("missing", "extra_forbidden")) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] not in ("missing", "extra_forbidden"):
+            msg += f" (got {json_type(err.get('input'))})"
+        raise ApiError(
+            400, f"{where}: {msg}", param=None if where == "body" else where, code="invalid_value"
+        ) from exc
     req.unsupported()
     return req
+
+
+def check_strings(data: Any) -> None:
+    """Every key and string of ``data`` is valid Unicode and nesting stays under MAX_DEPTH."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            bad = not _encodable(node)
+        elif isinstance(node, dict | list):
+            if depth >= MAX_DEPTH:
+                raise ApiError(
+                    400,
+                    f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels",
+                    param=path or None,
+                    code="invalid_value",
+                )
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for k, v in items:
+                if isinstance(k, str):
+                    sub = f"{path}.{k}" if path else k
+                    if not _encodable(k):
+                        raise ApiError(
+                            400,
+                            f"{printable(sub)}: a field name is not valid Unicode (lone surrogate)",
+                            param=printable(sub),
+                            code="invalid_value",
+                        )
+                else:
+                    sub = f"{path}[{k}]"
+                stack.append((v, sub, depth + 1))
+            continue
+        else:
+            continue
+        if bad:
+            raise ApiError(
+                400,
+                f"{path}: the string is not valid Unicode (lone surrogate)",
+                param=path,
+                code="invalid_value",
+            )
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_fields(data: dict[str, Any], kind: type[_Request]) -> None:
+    """Unknown fields and non-neutral values of unsupported ones -> 400 naming the field."""
+    _check_keys(data, kind.model_fields, kind.UNSUPPORTED, "")
+    if kind is ChatCompletionRequest and isinstance(data.get("messages"), list):
+        for i, m in enumerate(data["messages"]):
+            if isinstance(m, dict):
+                _check_keys(m, ChatMessage.model_fields, MESSAGE_UNSUPPORTED, f"messages[{i}].")
+                parts = m.get("content")
+                if isinstance(parts, list):
+                    for j, part in enumerate(parts):
+                        kind_ = part.get("type") if isinstance(part, dict) else None
+                        if isinstance(kind_, str) and kind_ != "text":
+                            where = f"messages[{i}].content[{j}].type"
+                            raise ApiError(
+                                400,
+                                f"{where}: {kind_!r} content is not supported (only text)",
+                                param=where,
+                                code="unsupported",
+                            )
+
+
+def _check_keys(
+    obj: dict[str, Any], known: dict[str, Any], unsupported: dict[str, Callable[[Any], bool]], prefix: str
+) -> None:
+    for key, value in obj.items():
+        where = prefix + key
+        if key in unsupported:
+            if not unsupported[key](value):
+                raise ApiError(400, f"{where} is not supported", param=where, code="unsupported")
+        elif key not in known:
+            raise ApiError(400, f"unknown field {where}", param=where, code="unknown_field")
+
+
+def json_type(v: Any) -> str:
+    """The JSON type of a parsed value, for messages."""
+    if v is None:
+        return "null"
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names.update({list: "an array", dict: "an object"})
+    return names.get(type(v), type(v).__name__)
+
+
+def loc_path(data: Any, loc: tuple[Any, ...], absent: bool = False) -> str:
+    """A pydantic error location as a path into ``data`` (``messages[0].role``), skipping the
+    names pydantic gives union members; ``absent``: the last part names a field not in ``data``."""
+    out = ""
+    node = data
+    for k, part in enumerate(loc):
+        if absent and k == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str):
+            return f"{out}.{part}" if out else part
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            out = f"{out}.{part}" if out else part
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out = f"{out}[{part}]"
+            node = node[part]
+    return out
 
 
 def new_id(prefix: str) -> str:
