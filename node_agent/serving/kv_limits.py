@@ -183,7 +183,7 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
         raise HeaderError(f"KV header: generator_state_len must be 0 or {limits.generator_state_len}")
     _int(h, "num_cached_tokens", 0, len(ids))
     need = -(-len(ids) // limits.page_size)
-    n = _int(h, "num_pages", 1, max(1, available_pages))
+    n = _int(h, "num_pages", 1, -(-limits.max_model_len // limits.page_size))
     if n != need:
         raise HeaderError(f"KV header: {len(ids)} tokens need {need} pages, not {n}")
     if n > available_pages:

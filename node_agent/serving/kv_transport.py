@@ -316,20 +316,27 @@ class TcpKVSender:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.timeout)
         except (OSError, TimeoutError, ValueError) as exc:
             raise TransferError(f"cannot connect to the decode worker's KV port {address}: {exc}") from exc
+        # the ACK is read while sending: a receiver that refuses early answers and closes at once
+        ack_task = asyncio.ensure_future(
+            read_frame(reader, lambda t: MAX_ACK if t == ACK else -1, self.timeout)
+        )
         try:
             try:
                 for f in frames:
+                    if ack_task.done():
+                        break
                     writer.write(f)
                     await writer.drain()
             except OSError:
-                pass  # the receiver may refuse early and close: its ACK says why
-            ftype, body = await read_frame(reader, lambda t: MAX_ACK if t == ACK else -1, self.timeout)
+                pass  # its ACK says why
+            ftype, body = await ack_task
             ack = json.loads(body)
         except (OSError, ValueError) as exc:
             raise TransferError(f"KV handoff to {address} failed: {exc!r}") from exc
         except TransferError as exc:
             raise TransferError(f"KV handoff to {address} failed: {exc}", exc.reason) from exc
         finally:
+            ack_task.cancel()
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
