@@ -1,9 +1,15 @@
-"""Manifests of the objects one ModelDeployment owns: pools, router, services, agent RBAC.
+"""Manifests of the objects one ModelDeployment owns: pools, router, services, agent RBAC,
+network policies.
 
 Everything here is a pure function of the ModelDeployment and the operator settings, so the
 reconciler can compare what it builds with what the cluster holds. The agents take their whole
 configuration from their command line (``agent_args``) and environment (``agent_env``), both in the
 pod template, so every change an agent must see rolls its pods and nothing else does.
+
+The one child that is not built here is the ``<md>-internal`` Secret: its data is random, so it is
+created once by ``credentials.py``; the pods reference it by name, and its uid (which changes only
+when the Secret is deleted and created anew) enters the pod templates so that a new Secret rolls
+every pod.
 """
 
 from __future__ import annotations
@@ -15,11 +21,19 @@ from .config import Config
 from .spec import API_VERSION, GROUP, KIND, PLURAL, Pool, Spec
 
 PORT = 8000
+KV_PORT = 9000  # decode pods receive KV pages from prefill pods here
 MANAGED_BY = "pagoda-operator"
 MD_LABEL = "pagoda.dev/model-deployment"
 POOL_LABEL = "pagoda.dev/pool"
 HANDOFF_ANNOTATION = "pagoda.dev/handoff"
+INTERNAL_SECRET_ANNOTATION = "pagoda.dev/internal-secret-uid"
 MODEL_MOUNT = "/mnt/models"
+INTERNAL = "internal"  # component of the operator-generated Secret
+INTERNAL_TOKEN_KEY = "internal-token"
+TENANT_SECRET_KEY = "tenant-secret"
+API_KEYS_DIR = "/etc/pagoda/api-keys"
+API_KEYS_FILE = f"{API_KEYS_DIR}/keys"
+API_KEYS_MODE = 0o440  # owner and group (fsGroup 1000) read, nobody else
 
 Obj = dict[str, Any]
 
@@ -62,7 +76,7 @@ def _metadata(meta: Obj, name: str, component: str) -> Obj:
 
 
 def child_name(md_name: str, component: str) -> str:
-    """Name of a child: ``<md>-prefill``, ``<md>-decode``, ``<md>-router``, ``<md>-agent``."""
+    """Name of a child: ``<md>-prefill``, ``-decode``, ``-router``, ``-agent``, ``-internal``."""
     return f"{md_name}-{component}"
 
 
@@ -115,7 +129,11 @@ def agent_args(spec: Spec, role: str, md_name: str = "", namespace: str = "") ->
         args.append("--no-prefix-caching")
     if not spec.routing.session_affinity:
         args.append("--no-session-affinity")
+    if role == "decode":
+        args += ["--kv-port", str(KV_PORT)]
     if role == "router":
+        if spec.routing.trust_tenant_header:
+            args.append("--trust-tenant-header")
         args += [
             "--prefill-endpoints",
             service_url(md_name, namespace, "prefill"),
@@ -125,20 +143,29 @@ def agent_args(spec: Spec, role: str, md_name: str = "", namespace: str = "") ->
     return args
 
 
-def agent_env(meta: Obj, role: str, cfg: Config) -> list[Obj]:
-    """Environment of an agent container (the reporter reads these)."""
+def agent_env(meta: Obj, role: str, cfg: Config, spec: Spec | None = None) -> list[Obj]:
+    """Environment of an agent container: the reporter's settings, the shared internal secrets
+    (by reference to ``<md>-internal``) and, on the router, the path of the API keys file."""
 
     def field(path: str) -> Obj:
         return {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}
 
-    return [
+    def internal(key: str) -> Obj:
+        return {"secretKeyRef": {"name": child_name(meta["name"], INTERNAL), "key": key}}
+
+    env = [
         {"name": "PAGODA_MD_NAME", "value": meta["name"]},
         {"name": "PAGODA_MD_NAMESPACE", "value": meta["namespace"]},
         {"name": "PAGODA_POOL", "value": role},
         {"name": "PAGODA_POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "PAGODA_NODE_NAME", "valueFrom": field("spec.nodeName")},
         {"name": "PAGODA_REPORT_INTERVAL_S", "value": str(cfg.report_interval_s)},
+        {"name": "PAGODA_INTERNAL_TOKEN", "valueFrom": internal(INTERNAL_TOKEN_KEY)},
+        {"name": "PAGODA_TENANT_SECRET", "valueFrom": internal(TENANT_SECRET_KEY)},
     ]
+    if role == "router" and spec is not None and spec.auth.api_keys_secret is not None:
+        env.append({"name": "PAGODA_API_KEYS_FILE", "value": API_KEYS_FILE})
+    return env
 
 
 def _fp8_affinity(user: Obj, cfg: Config) -> Obj:
@@ -166,13 +193,24 @@ def _resources(pool: Pool) -> Obj:
     return res
 
 
-def _volumes(spec: Spec) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: Spec, role: str) -> tuple[list[Obj], list[Obj]]:
     volumes: list[Obj] = []
     mounts: list[Obj] = []
     if spec.source.startswith("pvc://"):
         claim = spec.source[len("pvc://") :].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    ref = spec.auth.api_keys_secret
+    if role == "router" and ref is not None:
+        # Only the one key, as a file in a directory mount (not subPath): the kubelet swaps the
+        # directory's contents when the Secret changes, so the router sees new keys without a restart.
+        secret = {
+            "secretName": ref.name,
+            "items": [{"key": ref.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}],
+            "defaultMode": API_KEYS_MODE,
+        }
+        volumes.append({"name": "api-keys", "secret": secret})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -185,7 +223,7 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["pagoda"],
         "args": agent_args(spec, role, meta["name"], meta["namespace"]),
-        "env": agent_env(meta, role, cfg),
+        "env": agent_env(meta, role, cfg, spec),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "livenessProbe": probe,
         "readinessProbe": ready,
@@ -197,6 +235,8 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
         "resources": resources,
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if role == "decode":
+        container["ports"].append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
     # Empty lists are left out, as the API server leaves them out: an empty list set here would
     # never be found on the live object, and every pass would patch it again.
     if mounts:
@@ -204,10 +244,13 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
     return container
 
 
-def deployment(meta: Obj, spec: Spec, role: str, cfg: Config) -> Obj:
-    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router."""
+def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None) -> Obj:
+    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router.
+
+    ``internal_uid`` is the uid of the live ``<md>-internal`` Secret: a new Secret rolls the pods.
+    """
     name = meta["name"]
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec, role)
     pod_spec: Obj = {
         "serviceAccountName": child_name(name, "agent"),
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
@@ -244,7 +287,10 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config) -> Obj:
             "template": {
                 "metadata": {
                     "labels": labels(name, role),
-                    "annotations": {HANDOFF_ANNOTATION: spec.handoff},
+                    "annotations": {
+                        HANDOFF_ANNOTATION: spec.handoff,
+                        **({INTERNAL_SECRET_ANNOTATION: internal_uid} if internal_uid else {}),
+                    },
                 },
                 "spec": pod_spec,
             },
@@ -298,10 +344,54 @@ def agent_rbac(meta: Obj) -> list[Obj]:
     ]
 
 
-def build(meta: Obj, spec: Spec, cfg: Config) -> dict[str, Obj]:
-    """All children keyed by ``Kind/name``, in the order they should be applied."""
-    objs = agent_rbac(meta)
+def _peer(md_name: str, component: str) -> Obj:
+    return {"podSelector": {"matchLabels": selector(md_name, component)}}
+
+
+def _tcp(port: int) -> Obj:
+    return {"protocol": "TCP", "port": port}
+
+
+def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
+    """Ingress fences of the pools (none when ``spec.networkPolicy.enabled`` is false).
+
+    Decode pods: the router on http (its ``/internal/decode`` calls), prefill pods on kv (the KV
+    pages). Prefill pods: the router on http. The ``metricsFrom`` peers may reach http on both
+    pools (Prometheus scraping ``/metrics``). The router is not selected: clients reach it as before.
+    Egress is not restricted (the agents patch their status on the API server).
+    """
+    if not spec.network_policy.enabled:
+        return []
+    name = meta["name"]
+    peers = [copy.deepcopy(p) for p in spec.network_policy.metrics_from]
+    metrics = [{"from": peers, "ports": [_tcp(PORT)]}] if peers else []
+    rules = {
+        "decode": [
+            {"from": [_peer(name, "router")], "ports": [_tcp(PORT)]},
+            {"from": [_peer(name, "prefill")], "ports": [_tcp(KV_PORT)]},
+        ],
+        "prefill": [{"from": [_peer(name, "router")], "ports": [_tcp(PORT)]}],
+    }
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _metadata(meta, child_name(name, role), role),
+            "spec": {
+                "podSelector": {"matchLabels": selector(name, role)},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress + metrics,
+            },
+        }
+        for role, ingress in rules.items()
+    ]
+
+
+def build(meta: Obj, spec: Spec, cfg: Config, internal_uid: str | None = None) -> dict[str, Obj]:
+    """All children keyed by ``Kind/name``, in the order they should be applied (the network
+    policies before the pods they fence)."""
+    objs = agent_rbac(meta) + network_policies(meta, spec)
     for role in ("decode", "prefill", "router"):
-        objs.append(deployment(meta, spec, role, cfg))
+        objs.append(deployment(meta, spec, role, cfg, internal_uid))
         objs.append(service(meta, spec, role))
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

@@ -91,9 +91,12 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
         memo.locks.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
         logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
 
+    # Secrets are not watched: that would need list/watch on every Secret in the watched
+    # namespaces. A deleted ``<md>-internal`` Secret comes back on the next timer pass.
     for group, version, plural in (
         ("apps", "v1", "deployments"),
         ("", "v1", "services"),
+        ("networking.k8s.io", "v1", "networkpolicies"),
     ):
 
         @kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)

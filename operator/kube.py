@@ -16,9 +16,11 @@ KINDS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Pod": ("/api/v1", "pods"),
+    "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "ModelDeployment": ("/apis/pagoda.dev/v1alpha1", "modeldeployments"),
 }
 
@@ -43,7 +45,7 @@ def path(kind: str, namespace: str, name: str | None = None, subresource: str | 
 
 
 class Kube:
-    """The operations the reconciler needs: get, list, create, merge-patch."""
+    """The operations the reconciler needs: get, list, create, merge-patch, delete."""
 
     def __init__(self, info: kopf.ConnectionInfo) -> None:
         self.server = info.server.rstrip("/")
@@ -75,7 +77,7 @@ class Kube:
         data = json.dumps(body) if body is not None else None
         async with self._client().request(method, self.server + url, data=data, headers=headers) as resp:
             text = await resp.text()
-            if resp.status == 404 and method == "GET":
+            if resp.status == 404 and method in ("GET", "DELETE"):
                 return None
             if resp.status >= 400:
                 raise ApiError(resp.status, text)
@@ -104,3 +106,8 @@ class Kube:
         """JSON merge patch (RFC 7386): maps merge, lists are replaced, null deletes."""
         url = path(kind, namespace, name, subresource)
         return await self._call("PATCH", url, patch, "application/merge-patch+json") or {}
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete an object (only if its uid is still ``uid``, when given); False when it was gone."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}} if uid else None
+        return await self._call("DELETE", path(kind, namespace, name), body) is not None

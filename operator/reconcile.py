@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import children, formats, rollout
+from . import children, credentials, formats, rollout
 from .apply import ensure, removals
 from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
 from .config import Config
@@ -46,15 +46,46 @@ class Outcome:
     stage: str | None = None
     status_patch: Obj | None = None
     problems: list[formats.Problem] = field(default_factory=list)
+    # Problems with the credentials the pods need: the children are still applied.
+    credential_problems: list[formats.Problem] = field(default_factory=list)
 
 
 def _replicas(dep: Obj | None, key: str) -> int:
     return int(((dep or {}).get("status") or {}).get(key, 0) or 0)
 
 
+async def _credentials(kube: Kube, meta: Obj, spec: Spec, out: Outcome) -> str | None:
+    """Create the internal Secret when missing, check both Secrets; returns the internal one's uid."""
+    internal, action = await credentials.ensure_internal(kube, meta)
+    if action != "unchanged":
+        out.actions[f"Secret/{credentials.internal_name(meta['name'])}"] = action
+    for problem in (
+        await credentials.api_keys_problem(kube, meta["namespace"], spec.auth.api_keys_secret),
+        credentials.internal_problem(internal),
+    ):
+        if problem is not None:
+            out.credential_problems.append(problem)
+    return (internal.get("metadata") or {}).get("uid")
+
+
+async def _remove_network_policies(kube: Kube, meta: Obj, out: Outcome) -> None:
+    """With ``networkPolicy.enabled: false``, delete the policies this ModelDeployment owns."""
+    for role in ("decode", "prefill"):
+        name = children.child_name(meta["name"], role)
+        live = await kube.get("NetworkPolicy", meta["namespace"], name)
+        owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+        if live is None or not any(o.get("uid") == meta["uid"] for o in owners):
+            continue  # absent, or not ours: leave it alone
+        if await kube.delete("NetworkPolicy", meta["namespace"], name, live["metadata"].get("uid")):
+            out.actions[f"NetworkPolicy/{name}"] = "deleted"
+
+
 async def _converge(kube: Kube, meta: Obj, spec: Spec, cfg: Config, out: Outcome) -> dict[str, Obj | None]:
     ns = meta["namespace"]
-    desired = children.build(meta, spec, cfg)
+    internal_uid = await _credentials(kube, meta, spec, out)
+    if not spec.network_policy.enabled:
+        await _remove_network_policies(kube, meta, out)
+    desired = children.build(meta, spec, cfg, internal_uid)
     live = {
         role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
         for role in ("prefill", "decode", "router")
@@ -131,7 +162,10 @@ def _conditions(
         progressing = Condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling))
     else:
         progressing = Condition(PROGRESSING, False, "RolloutComplete", "all pools run the current spec")
-    if spec.prefill.replicas == 0 and spec.decode.replicas == 0:
+    creds = out.credential_problems
+    if creds:
+        ready = Condition(READY, False, creds[0].reason, "; ".join(p.message for p in creds))
+    elif spec.prefill.replicas == 0 and spec.decode.replicas == 0:
         ready = Condition(READY, False, "Paused", "both pools are scaled to zero")
     elif short or out.stage:
         ready = Condition(
@@ -139,7 +173,9 @@ def _conditions(
         )
     else:
         ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
-    if stale:
+    if creds:
+        degraded = Condition(DEGRADED, True, creds[0].reason, "; ".join(p.message for p in creds))
+    elif stale:
         degraded = Condition(
             DEGRADED,
             True,

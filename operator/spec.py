@@ -55,6 +55,30 @@ class Routing:
     session_affinity: bool = True
     prefix_caching: bool = True
     tenant_header: str = "X-Pagoda-Tenant"
+    trust_tenant_header: bool = False
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A key of a user-provided Secret in the ModelDeployment's namespace."""
+
+    name: str
+    key: str = "api-keys"
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Credentials of the public API: the router reads its API keys from ``api_keys_secret``."""
+
+    api_keys_secret: SecretRef | None = None
+
+
+@dataclass(frozen=True)
+class NetworkPolicy:
+    """Ingress fences around the pools; ``metrics_from`` peers may scrape the pools' http port."""
+
+    enabled: bool = True
+    metrics_from: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +101,8 @@ class Spec:
     integrity: Integrity = field(default_factory=Integrity)
     routing: Routing = field(default_factory=Routing)
     router: Router = field(default_factory=Router)
+    auth: Auth = field(default_factory=Auth)
+    network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def pool(self, name: str) -> Pool:
         """The prefill or decode pool by name."""
@@ -106,6 +132,21 @@ def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
     )
 
 
+def _auth(raw: dict[str, Any] | None) -> Auth:
+    ref = (raw or {}).get("apiKeysSecret") or {}
+    if not ref.get("name"):
+        return Auth()
+    return Auth(SecretRef(name=str(ref["name"]), key=str(ref.get("key") or SecretRef.key)))
+
+
+def _network_policy(raw: dict[str, Any] | None) -> NetworkPolicy:
+    raw = raw or {}
+    return NetworkPolicy(
+        enabled=bool(raw.get("enabled", NetworkPolicy.enabled)),
+        metrics_from=tuple(dict(p) for p in raw.get("metricsFrom") or []),
+    )
+
+
 def parse(raw: dict[str, Any]) -> Spec:
     """Read a spec dict (as stored in the cluster) into a Spec with defaults applied."""
     model = raw.get("model") or {}
@@ -129,10 +170,13 @@ def parse(raw: dict[str, Any]) -> Spec:
             session_affinity=bool(routing.get("sessionAffinity", dr.session_affinity)),
             prefix_caching=bool(routing.get("prefixCaching", dr.prefix_caching)),
             tenant_header=str(routing.get("tenantHeader", dr.tenant_header)),
+            trust_tenant_header=bool(routing.get("trustTenantHeader", dr.trust_tenant_header)),
         ),
         router=Router(
             replicas=int(router.get("replicas", dt.replicas)),
             service_type=str(router.get("serviceType", dt.service_type)),
             port=int(router.get("port", dt.port)),
         ),
+        auth=_auth(raw.get("auth")),
+        network_policy=_network_policy(raw.get("networkPolicy")),
     )

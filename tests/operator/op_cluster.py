@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import kmock
@@ -30,11 +31,13 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/pods": {"kind": "Pod", "namespaced": True},
     "v1/services": {"kind": "Service", "namespaced": True},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True},
+    "v1/secrets": {"kind": "Secret", "namespaced": True},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status"}},
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
+    "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "pagoda.dev/v1alpha1/modeldeployments": {
         "kind": "ModelDeployment",
         "singular": "modeldeployment",
@@ -45,17 +48,50 @@ RESOURCES: dict[str, dict[str, Any]] = {
 }
 
 
+VERB_OF_ACTION = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "DELETE": "delete"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One API request as RBAC sees it: verb, API group, resource[/subresource], namespace, name."""
+
+    verb: str
+    group: str
+    resource: str
+    namespace: str | None
+    name: str | None
+
+    @classmethod
+    def of(cls, request: Any) -> Call:
+        action = request.action.value if request.action is not None else ""
+        if action == "UPDATE":
+            verb = "patch" if str(request.method.value).upper() == "PATCH" else "update"
+        else:
+            verb = VERB_OF_ACTION.get(action, action.lower())
+        plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        return cls(verb, request.resource.group or "", plural, request.namespace, request.name)
+
+
 class Emulator(kmock.KubernetesEmulator):
-    """kmock plus what an API server does on create: a name from generateName (kopf's Events use it)."""
+    """kmock plus what an API server does on create: a name from generateName (kopf's Events use
+    it) and a uid (the operator stamps the internal Secret's uid into the pod templates)."""
 
     _serial: int = 0
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.calls: list[Call] = []
+
     async def _handle(self, request: Any) -> Any:
+        if getattr(request.resource, "plural", None) and request.headers.get("Authorization"):
+            self.calls.append(Call.of(request))  # the operator's requests (the tests send no token)
         data = request.data if request.action == kmock.action.CREATE else None
         meta = data.get("metadata") if isinstance(data, dict) else None
-        if isinstance(meta, dict) and meta.get("generateName") and not meta.get("name"):
+        if isinstance(meta, dict):
             Emulator._serial += 1
-            meta["name"] = f"{meta['generateName']}{Emulator._serial:05d}"
+            if meta.get("generateName") and not meta.get("name"):
+                meta["name"] = f"{meta['generateName']}{Emulator._serial:05d}"
+            meta.setdefault("uid", f"uid-{Emulator._serial:05d}")
         return await super()._handle(request)
 
 
@@ -174,5 +210,7 @@ MD_PATH = "/apis/pagoda.dev/v1alpha1/namespaces/{ns}/modeldeployments"
 DEP_PATH = "/apis/apps/v1/namespaces/{ns}/deployments"
 SVC_PATH = "/api/v1/namespaces/{ns}/services"
 CM_PATH = "/api/v1/namespaces/{ns}/configmaps"
+SECRET_PATH = "/api/v1/namespaces/{ns}/secrets"
+NETPOL_PATH = "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
 POD_PATH = "/api/v1/namespaces/{ns}/pods"
 EVENT_PATH = "/api/v1/namespaces/{ns}/events"

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
+import ipaddress
+import re
 from typing import Any
 
 import kubernetes_validate
 import pytest
 from op_schema import admit, example
 
-from pagoda.operator import apply, children
+from pagoda.operator import apply, children, credentials
 from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
 
@@ -43,6 +46,19 @@ def build(**spec: object) -> dict:
                     {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
                 ],
             },
+            "auth": {"apiKeysSecret": {"name": "team-keys", "key": "keys.txt"}},
+            "routing": {"trustTenantHeader": True},
+            "networkPolicy": {
+                "metricsFrom": [
+                    {
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                        "podSelector": {
+                            "matchExpressions": [{"key": "app", "operator": "In", "values": ["prometheus"]}]
+                        },
+                    },
+                    {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+                ]
+            },
         },
     ],
 )
@@ -52,10 +68,11 @@ def test_every_child_validates_against_its_kubernetes_schema(spec: dict) -> None
         "ServiceAccount",
         "Role",
         "RoleBinding",
+        "NetworkPolicy",
         "Deployment",
         "Service",
     }
-    for obj in objs.values():
+    for obj in [*objs.values(), credentials.internal_secret(META)]:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
@@ -116,7 +133,7 @@ def test_pvc_model_is_mounted_and_passed_as_a_directory() -> None:
 
 
 def test_a_builtin_model_needs_no_volume() -> None:
-    """Nothing is mounted but a PVC model: the agents read their settings from args and env only."""
+    """Without a PVC model or an API keys Secret nothing is mounted: args and env are the settings."""
     for role in ("prefill", "decode", "router"):
         pod = build()[f"Deployment/m-{role}"]["spec"]["template"]["spec"]
         assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
@@ -154,6 +171,8 @@ def test_agent_args_follow_the_contract() -> None:
         "--tenant-header",
         "X-Pagoda-Tenant",
         "--no-session-affinity",
+        "--kv-port",
+        "9000",
     ]
 
 
@@ -219,3 +238,217 @@ def test_an_upgrade_drops_the_old_config_volume_and_hash() -> None:
     assert "pagoda.dev/config-hash" not in pod["metadata"]["annotations"]
     assert "volumes" not in pod["spec"] and "volumeMounts" not in pod["spec"]["containers"][0]
     assert apply.in_sync(desired, patched)
+
+
+def env_of(objs: dict, role: str) -> dict[str, dict]:
+    return {e["name"]: e for e in template(objs, role)["spec"]["containers"][0]["env"]}
+
+
+def test_every_agent_gets_the_internal_secrets_by_reference_only() -> None:
+    objs = build()
+    for role in ("prefill", "decode", "router"):
+        env = env_of(objs, role)
+        for var, key in (
+            ("PAGODA_INTERNAL_TOKEN", "internal-token"),
+            ("PAGODA_TENANT_SECRET", "tenant-secret"),
+        ):
+            assert env[var] == {
+                "name": var,
+                "valueFrom": {"secretKeyRef": {"name": "m-internal", "key": key}},
+            }
+        assert "PAGODA_API_KEYS_FILE" not in env  # not configured
+
+
+def test_api_keys_are_mounted_into_the_router_only() -> None:
+    objs = build(auth={"apiKeysSecret": {"name": "team-keys"}})
+    router = template(objs, "router")["spec"]
+    assert router["volumes"] == [
+        {
+            "name": "api-keys",
+            "secret": {
+                "secretName": "team-keys",
+                "items": [{"key": "api-keys", "path": "keys"}],  # the CRD's default key
+                "defaultMode": 0o440,
+            },
+        }
+    ]
+    # A directory mount, not subPath: the kubelet updates it in place when the Secret changes.
+    assert router["containers"][0]["volumeMounts"] == [
+        {"name": "api-keys", "mountPath": "/etc/pagoda/api-keys", "readOnly": True}
+    ]
+    assert env_of(objs, "router")["PAGODA_API_KEYS_FILE"]["value"] == "/etc/pagoda/api-keys/keys"
+    assert router["securityContext"]["fsGroup"] == 1000  # group-readable file for uid 1000
+    for role in ("prefill", "decode"):
+        assert "PAGODA_API_KEYS_FILE" not in env_of(objs, role)
+        assert "team-keys" not in str(template(objs, role)), role
+
+
+def test_a_pvc_model_and_api_keys_mount_side_by_side_on_the_router() -> None:
+    objs = build(model={"source": "pvc://models/llama"}, auth={"apiKeysSecret": {"name": "k", "key": "f"}})
+    router = template(objs, "router")["spec"]
+    assert [v["name"] for v in router["volumes"]] == ["model", "api-keys"]
+    assert router["volumes"][1]["secret"]["items"] == [{"key": "f", "path": "keys"}]
+    assert [v["name"] for v in template(objs, "decode")["spec"]["volumes"]] == ["model"]
+
+
+def test_trust_tenant_header_goes_to_the_router_only_and_kv_port_to_decode_only() -> None:
+    plain, trusting = build(), build(routing={"trustTenantHeader": True})
+    for role in ("prefill", "decode", "router"):
+        assert "--trust-tenant-header" not in template(plain, role)["spec"]["containers"][0]["args"]
+    assert "--trust-tenant-header" in template(trusting, "router")["spec"]["containers"][0]["args"]
+    for role in ("prefill", "decode"):
+        assert "--trust-tenant-header" not in template(trusting, role)["spec"]["containers"][0]["args"]
+    for role in ("prefill", "decode", "router"):
+        container = template(plain, role)["spec"]["containers"][0]
+        kv = [p for p in container["ports"] if p["name"] == "kv"]
+        has_flag = "--kv-port" in container["args"]
+        if role == "decode":
+            assert kv == [{"name": "kv", "containerPort": 9000, "protocol": "TCP"}]
+            assert container["args"][container["args"].index("--kv-port") + 1] == "9000"
+        else:
+            assert kv == [] and not has_flag, role
+
+
+def test_a_new_internal_secret_rolls_every_pod_template() -> None:
+    stored = parse(admit(example("m"))["spec"])
+    first = children.build(META, stored, CFG, internal_uid="uid-a")
+    second = children.build(META, stored, CFG, internal_uid="uid-b")
+    for role in ("prefill", "decode", "router"):
+        annotations = template(first, role)["metadata"]["annotations"]
+        assert annotations[children.INTERNAL_SECRET_ANNOTATION] == "uid-a"
+        assert template(first, role) != template(second, role)
+    assert children.INTERNAL_SECRET_ANNOTATION not in template(build(), "decode")["metadata"]["annotations"]
+
+
+def test_internal_secret_values_are_fresh_random_url_safe_tokens() -> None:
+    one, two = credentials.internal_secret(META), credentials.internal_secret(META)
+    assert set(one["data"]) == {"internal-token", "tenant-secret"}
+    values = [base64.b64decode(v).decode() for s in (one, two) for v in s["data"].values()]
+    assert len(set(values)) == 4  # every value differs
+    for value in values:
+        assert re.fullmatch(r"[A-Za-z0-9_-]{43,}", value)  # >= 32 random bytes, url-safe
+    assert one["metadata"]["ownerReferences"] == [children.owner_reference(META)]
+    assert one["metadata"]["labels"] == children.labels("m", "internal")
+
+
+# --- network policies: evaluated as a CNI would, on the pods the Deployments create ------------
+
+Labels = dict[str, str]
+
+
+def _selects(selector: dict, labels: Labels) -> bool:
+    ok = all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = (
+            ok
+            and {
+                "In": key in labels and labels[key] in values,
+                "NotIn": key not in labels or labels[key] not in values,
+                "Exists": key in labels,
+                "DoesNotExist": key not in labels,
+            }[op]
+        )
+    return ok
+
+
+def _peer_matches(peer: dict, src: Pod) -> bool:
+    if "ipBlock" in peer:
+        net = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+        return ipaddress.ip_address(src.ip) in net and not any(
+            ipaddress.ip_address(src.ip) in ipaddress.ip_network(e) for e in peer["ipBlock"].get("except", [])
+        )
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], src.namespace_labels):
+            return False
+    elif src.namespace != "ns":
+        return False  # a podSelector alone means: in the policy's namespace
+    return _selects(peer.get("podSelector") or {}, src.labels)
+
+
+class Pod:
+    def __init__(self, labels: Labels, namespace: str = "ns", ns_labels: Labels | None = None) -> None:
+        self.labels, self.namespace, self.ip = labels, namespace, "192.168.0.10"
+        self.namespace_labels = ns_labels or {"kubernetes.io/metadata.name": namespace}
+
+
+def allowed(policies: list[dict], src: Pod, dst: Pod, port: int) -> bool:
+    """Kubernetes NetworkPolicy ingress semantics: unselected pods are open; selected pods admit
+    the union of their policies' rules."""
+    selecting = [
+        p for p in policies if dst.namespace == "ns" and _selects(p["spec"]["podSelector"], dst.labels)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            port_ok = ports is None or any(p["port"] == port and p["protocol"] == "TCP" for p in ports)
+            peers = rule.get("from")
+            if port_ok and (peers is None or any(_peer_matches(peer, src) for peer in peers)):
+                return True
+    return False
+
+
+def pods_of(objs: dict, md: str = "m") -> dict[str, Pod]:
+    """A pod of each Deployment, labelled by its template."""
+    return {
+        role: Pod(objs[f"Deployment/{md}-{role}"]["spec"]["template"]["metadata"]["labels"])
+        for role in ("prefill", "decode", "router")
+    }
+
+
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app": "prometheus"}},
+}
+
+
+def test_network_policies_admit_only_the_peers_of_each_pool() -> None:
+    objs = build()
+    policies = [o for o in objs.values() if o["kind"] == "NetworkPolicy"]
+    assert sorted(o["metadata"]["name"] for o in policies) == ["m-decode", "m-prefill"]
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)  # egress stays open
+    pods = pods_of(objs)
+    other = children.build({**META, "name": "other"}, parse(admit(example("other"))["spec"]), CFG)
+    other_md = pods_of(other, "other")
+    stranger = Pod({"app": "curl"})
+    expect = {
+        ("router", "decode", 8000): True,  # /internal/decode
+        ("prefill", "decode", 9000): True,  # KV pages
+        ("router", "prefill", 8000): True,  # /internal/prefill
+        ("router", "decode", 9000): False,
+        ("prefill", "decode", 8000): False,
+        ("decode", "prefill", 8000): False,
+        ("prefill", "prefill", 8000): False,
+        ("decode", "decode", 9000): False,
+    }
+    for (src, dst, port), want in expect.items():
+        assert allowed(policies, pods[src], pods[dst], port) is want, (src, dst, port)
+    for dst, port in (("decode", 8000), ("decode", 9000), ("prefill", 8000)):
+        assert not allowed(policies, stranger, pods[dst], port)
+        assert not allowed(policies, other_md["router"], pods[dst], port)  # another deployment's router
+        assert not allowed(policies, other_md["prefill"], pods[dst], port)
+    # The router is not fenced: clients (and anything else) reach it.
+    assert allowed(policies, stranger, pods["router"], 8000)
+    prometheus = Pod({"app": "prometheus"}, namespace="monitoring")
+    assert not allowed(policies, prometheus, pods["decode"], 8000)  # no metricsFrom yet
+
+
+def test_metrics_peers_reach_the_http_port_of_both_pools_only() -> None:
+    objs = build(networkPolicy={"metricsFrom": [PROMETHEUS]})
+    policies = [o for o in objs.values() if o["kind"] == "NetworkPolicy"]
+    pods = pods_of(objs)
+    prometheus = Pod({"app": "prometheus"}, namespace="monitoring")
+    grafana = Pod({"app": "grafana"}, namespace="monitoring")
+    elsewhere = Pod({"app": "prometheus"}, namespace="team-b")
+    for dst in ("prefill", "decode"):
+        assert allowed(policies, prometheus, pods[dst], 8000)
+        assert not allowed(policies, grafana, pods[dst], 8000)
+        assert not allowed(policies, elsewhere, pods[dst], 8000)
+    assert not allowed(policies, prometheus, pods["decode"], 9000)
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    objs = build(networkPolicy={"enabled": False})
+    assert not [o for o in objs.values() if o["kind"] == "NetworkPolicy"]
