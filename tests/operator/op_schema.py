@@ -60,6 +60,9 @@ def cel_errors(schema: Obj, value: Any, path: str = "") -> list[str]:
         for key, sub in (schema.get("properties") or {}).items():
             if key in value:
                 errors += cel_errors(sub, value[key], f"{path}.{key}")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{path}[{i}]")
     return errors
 
 

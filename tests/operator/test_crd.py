@@ -60,6 +60,24 @@ def test_there_are_examples() -> None:
         ({"integrity": {"mode": "strict"}}, "'strict' is not one of"),
         ({"model": {"source": "s3://bucket/model"}}, "does not match"),
         ({"model": {}}, "'source' is a required property"),
+        ({"auth": {"apiKeysSecret": {"key": "api-keys"}}}, "'name' is a required property"),
+        ({"auth": {"apiKeysSecret": {"name": "Keys_Upper"}}}, "does not match"),
+        ({"auth": {"apiKeysSecret": {"name": "k", "key": "a/b"}}}, "does not match"),
+        ({"routing": {"trustTenantHeader": "yes"}}, "is not of type 'boolean'"),
+        ({"networkPolicy": {"enabled": "no"}}, "is not of type 'boolean'"),
+        ({"networkPolicy": {"metricsFrom": {"podSelector": {}}}}, "is not of type 'array'"),
+        (
+            {
+                "networkPolicy": {
+                    "metricsFrom": [{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}]
+                }
+            },
+            "'Is' is not one of",
+        ),
+        (
+            {"networkPolicy": {"metricsFrom": [{"ipBlock": {"except": ["10.0.0.0/8"]}}]}},
+            "'cidr' is a required",
+        ),
     ],
 )
 def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
@@ -76,6 +94,11 @@ def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
         ({"prefill": {"tensorParallel": 2, "gpus": 1}}, "tensorParallel must not exceed gpus"),
         ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
         ({"prefill": {"replicas": 0}}, "needs both pools"),
+        ({"networkPolicy": {"metricsFrom": [{}]}}, "either ipBlock alone"),
+        (
+            {"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
+            "either ipBlock alone",
+        ),
     ],
 )
 def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
@@ -92,6 +115,15 @@ def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
         {"decode": {"tensorParallel": 2, "gpus": 0}},  # CPU trials ignore the GPU count
         {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "fp8_e4m3"}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},  # paused
+        {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {}}]}},  # every pod of every namespace
+        {
+            "networkPolicy": {
+                "metricsFrom": [
+                    {"namespaceSelector": {"matchLabels": {"team": "obs"}}, "podSelector": {}},
+                    {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+                ]
+            }
+        },
     ],
 )
 def test_cel_rules_accept_sensible_specs(spec: dict) -> None:
@@ -106,8 +138,21 @@ def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
 
     schema = md_schema(crd)
     rules = str(schema).count("'rule':")
-    assert rules == 4
+    assert rules == 5
     assert cel_errors(schema, admit(example())) == []
+    peers = {"networkPolicy": {"metricsFrom": [{"podSelector": {}}]}}
+    assert cel_errors(schema, admit(example(**peers))) == []  # the peer rule ran and passed
+
+
+def test_credential_and_network_defaults() -> None:
+    spec = admit(example(auth={"apiKeysSecret": {"name": "team-keys"}}))["spec"]
+    assert spec["auth"] == {"apiKeysSecret": {"name": "team-keys", "key": "api-keys"}}
+    assert spec["routing"]["trustTenantHeader"] is False
+    assert spec["networkPolicy"] == {"enabled": True}
+    parsed = spec_mod.parse(spec)
+    assert parsed.auth.api_keys_secret == spec_mod.SecretRef("team-keys", "api-keys")
+    assert parsed.network_policy == spec_mod.NetworkPolicy(enabled=True, metrics_from=())
+    assert spec_mod.parse(admit(example())["spec"]).auth.api_keys_secret is None
 
 
 def test_printer_columns_are_defined_and_documented(crd: dict) -> None:
