@@ -10,7 +10,8 @@ import torch
 
 from pagoda.kernels.paged_attention import convert_pages
 from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
+from pagoda.vocabulary import handoff_allowed
 
 
 @dataclass
@@ -122,10 +123,9 @@ def payload_of(
 
 
 MAX_REQUEST_ID_CHARS = 256
-# Per format: the page dtypes a sender may hold ("bf16" follows the sender's compute dtype).
+# Per KV cache format: the page dtypes a sender may hold ("bf16" follows its compute dtype).
 PAYLOAD_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "bf16": (torch.bfloat16, torch.float32),
-    "fp32": (torch.float32,),
     "fp8_e4m3": (torch.float8_e4m3fn,),
 }
 # Sequences sample with a CPU generator on every device (sequence.py): its state is what a payload carries.
@@ -142,31 +142,29 @@ def check_request_id(rid: object, what: str = "request id") -> str:
     return rid
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_model_len: int) -> int:
     """Raise RequestError (naming the field) unless ``payload`` can go into ``pool`` as it is: every
     field, tensor dtype and shape is checked before anything is allocated. Returns its page count.
 
-    Accepted pages: per layer exactly the pool's components, each ``[num_pages, page_size, *shape]``
-    on the CPU or the pool's device, in the dtype of the payload's ``kv_format`` (PAYLOAD_DTYPES);
-    FP8 pages come with finite positive float32 scales ``[heads]`` per layer and component, others
-    with none. ``generator_state`` is a CPU uint8 tensor of a CPU generator's state."""
+    Accepted pages: a ``kv_format`` that may hand off to the pool's (vocabulary.HANDOFFS); per layer
+    exactly the pool's components, each a dense ``[num_pages, page_size, *shape]`` tensor on the CPU
+    or the pool's device, all in one dtype of that format (PAYLOAD_DTYPES); FP8 pages come with
+    finite positive float32 scales ``[heads]`` per layer and component, others with none.
+    ``generator_state`` is None or a CPU generator's state (GENERATOR_STATE_BYTES uint8 values that
+    a scratch CPU generator accepts): sequences sample with CPU generators on every device."""
     if not isinstance(payload, KVPayload):
         raise RequestError(f"KV payload must be a KVPayload, got {type(payload).__name__}")
     check_request_id(payload.request_id, "KV payload request_id")
     ids = payload.prompt_token_ids
     if not isinstance(ids, list) or not ids:
         raise RequestError("KV payload prompt_token_ids must be a non-empty list of token ids")
-    if not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-        bad = [t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)][:5]
+    if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        bad = [t for t in ids if not (is_int(t) and 0 <= t < vocab_size)][:5]
         raise RequestError(
             f"KV payload prompt_token_ids: ids must be integers in [0, {vocab_size}), got {bad}"
         )
     tok = payload.first_token
-    if not _is_int(tok) or not 0 <= tok < vocab_size:
+    if not is_int(tok) or not 0 <= tok < vocab_size:
         raise RequestError(f"KV payload first_token must be an integer in [0, {vocab_size}), got {tok!r}")
     if len(ids) + 1 > max_model_len:
         raise RequestError(
@@ -174,12 +172,12 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
             f"{max_model_len}"
         )
     cached = payload.num_cached_tokens
-    if not _is_int(cached) or not 0 <= cached <= len(ids):
+    if not is_int(cached) or not 0 <= cached <= len(ids):
         raise RequestError(
             f"KV payload num_cached_tokens must be an integer in [0, {len(ids)}], got {cached!r}"
         )
     ps = pool.page_size
-    if not _is_int(payload.page_size) or payload.page_size != ps:
+    if not is_int(payload.page_size) or payload.page_size != ps:
         raise RequestError(f"KV payload page_size {payload.page_size!r} != this worker's {ps}")
     num_pages = -(-len(ids) // ps)
     dtype = _check_layers(payload, pool, num_pages)
@@ -189,7 +187,7 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
     if not isinstance(meta, dict):
         raise RequestError(f"KV payload meta must be a dict, got {type(meta).__name__}")
     sums = meta.get("page_checksums")
-    if sums is not None and (not isinstance(sums, list) or not all(_is_int(c) for c in sums)):
+    if sums is not None and (not isinstance(sums, list) or not all(is_int(c) for c in sums)):
         raise RequestError("KV payload meta.page_checksums must be a list of integers")
     return num_pages
 
@@ -199,6 +197,10 @@ def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch
     fmt = payload.kv_format
     if not isinstance(fmt, str) or fmt not in PAYLOAD_DTYPES:
         raise RequestError(f"KV payload kv_format must be one of {sorted(PAYLOAD_DTYPES)}, got {fmt!r}")
+    if not handoff_allowed(fmt, pool.kv_format):
+        raise RequestError(
+            f"KV payload kv_format {fmt!r} cannot hand off to this worker's {pool.kv_format!r}"
+        )
     layers = payload.layers
     if not isinstance(layers, list) or len(layers) != pool.num_layers:
         n = len(layers) if isinstance(layers, list) else type(layers).__name__

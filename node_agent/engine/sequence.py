@@ -33,7 +33,7 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """A plain integer (bool is not one here)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -58,15 +58,15 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise RequestError naming the first parameter that cannot be served."""
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise RequestError(f"seed: must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k):
+        if not is_int(self.top_k):
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
