@@ -13,7 +13,11 @@ from pagoda.operator.spec import parse
 @pytest.mark.parametrize("role", ["prefill", "decode", "router"])
 @pytest.mark.parametrize(
     "spec",
-    [{}, {"routing": {"prefixCaching": False, "sessionAffinity": False}, "integrity": {"mode": "audit"}}],
+    [
+        {},
+        {"routing": {"prefixCaching": False, "sessionAffinity": False}, "integrity": {"mode": "audit"}},
+        {"routing": {"trustTenantHeader": True}, "auth": {"apiKeysSecret": {"name": "keys"}}},
+    ],
 )
 def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     s = parse(admit(example("m", **spec))["spec"])
@@ -24,5 +28,7 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     assert (ns.decode_weights, ns.decode_kv) == (s.decode.weight_format, s.decode.kv_cache_format)
     assert (ns.prefill_weights, ns.prefill_kv) == (s.prefill.weight_format, s.prefill.kv_cache_format)
     assert ns.no_prefix_caching == (not s.routing.prefix_caching)
+    assert ns.trust_tenant_header == (role == "router" and s.routing.trust_tenant_header)
+    assert ns.kv_port == (children.KV_PORT if role == "decode" else None)
     if role == "router":
         assert ns.prefill_endpoints.startswith("http://") and ns.decode_endpoints.startswith("http://")

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import json
+import logging
+import re
 import time
 
-from op_cluster import CM_PATH, DEP_PATH, EVENT_PATH, MD_PATH, POD_PATH, SVC_PATH, Cluster
-from op_schema import admit, example
+import helm_python
+import pytest
+import yaml
+from op_cluster import (
+    CM_PATH,
+    DEP_PATH,
+    EVENT_PATH,
+    MD_PATH,
+    NETPOL_PATH,
+    POD_PATH,
+    SECRET_PATH,
+    SVC_PATH,
+    Cluster,
+)
+from op_schema import CHART, admit, example
 
 NS = "default"
 MD = MD_PATH.format(ns=NS) + "/smollm"
@@ -371,3 +388,232 @@ def test_spec_the_operator_rejects_gets_a_condition_and_no_children(cluster: Clu
     assert "INT4 pays off in decode only" in ready["message"]
     assert condition(md, "Degraded")["status"] == "True"
     assert deployment(cluster, "decode") is None
+
+
+# --- credentials and network policies ---------------------------------------------------------
+
+SECRETS = SECRET_PATH.format(ns=NS)
+NETPOLS = NETPOL_PATH.format(ns=NS)
+INTERNAL = f"{SECRETS}/smollm-internal"
+ROLES = ("prefill", "decode", "router")
+WRITES = {"create", "patch", "update", "delete"}
+
+
+def env_of(dep: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def writes(cluster: Cluster) -> list:
+    """The reconciler's writes so far: children and the status subresource. Left out are kopf's
+    own Events and its bookkeeping patches of the ModelDeployment's metadata (finalizer, handled
+    spec), which kopf repeats against kmock because kmock never bumps resourceVersion."""
+    return [
+        c
+        for c in cluster.emulator.calls
+        if c.verb in WRITES and c.resource not in ("events", "modeldeployments")
+    ]
+
+
+def settled(cluster: Cluster) -> dict:
+    """The ModelDeployment once a pass wrote its status and kopf recorded the handled spec."""
+    return cluster.wait_for(
+        lambda: (
+            (m := cluster.get(MD))
+            and condition(m, "Ready")
+            and "pagoda.dev/last-handled-configuration" in m["metadata"].get("annotations", {})
+            and m
+        ),
+        what="first pass done",
+    )
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_internal_secret_is_created_once_and_every_pod_references_it(cluster: Cluster) -> None:
+    create_md(cluster, example(**CPU))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    settled(cluster)
+    secret = cluster.get(INTERNAL)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert secret["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
+    assert secret["metadata"]["labels"]["pagoda.dev/model-deployment"] == "smollm"
+    assert set(secret["data"]) == {"internal-token", "tenant-secret"}
+    for value in secret["data"].values():
+        assert re.fullmatch(r"[A-Za-z0-9_-]{43,}", base64.b64decode(value).decode())
+    for role in ROLES:
+        dep = deployment(cluster, role)
+        env = env_of(dep)
+        assert env["PAGODA_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "smollm-internal",
+            "key": "internal-token",
+        }
+        assert env["PAGODA_TENANT_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": "smollm-internal",
+            "key": "tenant-secret",
+        }
+        annotations = dep["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["pagoda.dev/internal-secret-uid"] == secret["metadata"]["uid"]
+    assert [c.verb for c in writes(cluster) if c.resource == "secrets"] == ["create"]
+
+    # Later passes (timer every 0.5 s) neither rotate the Secret nor write anything else.
+    before = writes(cluster)
+    time.sleep(2.5)
+    assert writes(cluster) == before
+    assert cluster.get(INTERNAL)["data"] == secret["data"]
+    assert len(cluster.emulator.objects["v1/secrets", NS, "smollm-internal"].history) == 1
+
+
+def test_a_deleted_internal_secret_comes_back_new_and_rolls_every_pod(cluster: Cluster) -> None:
+    create_md(cluster, example(**CPU))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    old = cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret")
+    cluster.delete(INTERNAL)
+    new = cluster.wait_for(
+        lambda: (s := cluster.get(INTERNAL)) and s["metadata"]["uid"] != old["metadata"]["uid"] and s,
+        what="a new internal Secret",
+    )
+    assert all(new["data"][key] != old["data"][key] for key in ("internal-token", "tenant-secret"))
+    for role in ROLES:
+        cluster.wait_for(
+            lambda role=role: (
+                deployment(cluster, role)["spec"]["template"]["metadata"]["annotations"][
+                    "pagoda.dev/internal-secret-uid"
+                ]
+                == new["metadata"]["uid"]
+            ),
+            what=f"{role} template on the new Secret",
+        )
+
+
+def test_missing_api_keys_secret_is_reported_until_it_is_there(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    create_md(cluster, example(**CPU, auth={"apiKeysSecret": {"name": "team-keys"}}))
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and condition(m, "Degraded")["reason"] == "ApiKeysSecretMissing" and m,
+        what="ApiKeysSecretMissing",
+    )
+    ready, degraded = condition(md, "Ready"), condition(md, "Degraded")
+    assert ready["status"] == "False" and ready["reason"] == "ApiKeysSecretMissing"
+    assert degraded["status"] == "True" and "Secret default/team-keys" in degraded["message"]
+    assert "does not exist" in degraded["message"]
+    # The children are there all the same; the router's mount waits for the Secret.
+    router = deployment(cluster, "router")
+    assert env_of(router)["PAGODA_API_KEYS_FILE"]["value"] == "/etc/pagoda/api-keys/keys"
+    volumes = router["spec"]["template"]["spec"]["volumes"]
+    assert volumes[0]["secret"]["secretName"] == "team-keys"
+    for role in ("prefill", "decode"):
+        assert "PAGODA_API_KEYS_FILE" not in env_of(deployment(cluster, role))
+        assert "volumes" not in deployment(cluster, role)["spec"]["template"]["spec"]
+
+    value = "tenant-a pk-do-not-leak-0123456789"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys", "namespace": NS}}
+    cluster.create(SECRETS, {**secret, "data": {"wrong-key": b64(value)}})
+    md = cluster.wait_for(
+        lambda: (
+            (m := cluster.get(MD)) and "has no key 'api-keys'" in condition(m, "Degraded")["message"] and m
+        ),
+        what="missing key reported",
+    )
+    assert condition(md, "Ready")["reason"] == "ApiKeysSecretMissing"
+    cluster.patch(f"{SECRETS}/team-keys", {"data": {"api-keys": b64(value)}})
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and condition(m, "Degraded")["reason"] == "AsExpected" and m,
+        what="condition cleared",
+    )
+    assert condition(md, "Ready")["reason"] == "PoolsNotReady"
+    # The value is read by nobody but the kubelet: not in the status, Events or operator logs.
+    events = cluster.get(EVENT_PATH.format(ns=NS))["items"]
+    assert any(e["reason"] == "DegradedTrue" and "team-keys" in e["message"] for e in events)
+    operator_logs = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("kopf", "pagoda")))
+    assert "team-keys" in operator_logs  # the operator's logs were captured ...
+    for text in (json.dumps(md), json.dumps(events), operator_logs):
+        assert "pk-do-not-leak" not in text and b64(value) not in text  # ... and hold no key
+
+
+def test_network_policies_are_repaired_and_removed_when_turned_off(cluster: Cluster) -> None:
+    create_md(cluster, example(**CPU, networkPolicy={"metricsFrom": [{"namespaceSelector": {}}]}))
+    for role in ("decode", "prefill"):
+        policy = cluster.wait_for(lambda role=role: cluster.get(f"{NETPOLS}/smollm-{role}"), what=role)
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert policy["spec"]["podSelector"]["matchLabels"]["pagoda.dev/pool"] == role
+        assert policy["spec"]["ingress"][-1] == {
+            "from": [{"namespaceSelector": {}}],
+            "ports": [{"protocol": "TCP", "port": 8000}],
+        }
+    cluster.delete(f"{NETPOLS}/smollm-decode")
+    assert cluster.wait_for(lambda: cluster.get(f"{NETPOLS}/smollm-decode"), what="policy recreated")
+
+    update_spec(cluster, {"networkPolicy": {"enabled": False}})
+    for role in ("decode", "prefill"):
+        cluster.wait_for(
+            lambda role=role: cluster.get(f"{NETPOLS}/smollm-{role}") is None, what=f"{role} gone"
+        )
+    deletes = [c for c in writes(cluster) if c.verb == "delete"]
+    assert sorted(c.name for c in deletes) == ["smollm-decode", "smollm-prefill"]
+
+
+# Rules the chart grants that no pass here exercises, and why they are needed anyway.
+UNEXERCISED = {
+    ("", "namespaces", "list"): "kopf lists namespaces when PAGODA_WATCH_NAMESPACES holds patterns",
+    ("", "namespaces", "watch"): "likewise",
+    ("pagoda.dev", "modeldeployments/status", "get"): "granted to the agents, so the operator must hold it",
+}
+
+
+def chart_rules() -> set[tuple[str, str, str]]:
+    chart = helm_python.Chart.load(str(CHART))
+    docs = [
+        d
+        for path, text in chart.render({}, name="pagoda", namespace="pagoda-system").items()
+        if path.endswith(".yaml")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "pagoda-operator")
+    return {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> None:
+    """Every path of the operator runs against kmock; each request it made must be allowed by the
+    chart's ClusterRole, and each verb the ClusterRole grants must have been used (or be listed)."""
+    create_md(cluster, example(**CPU, auth={"apiKeysSecret": {"name": "team-keys"}}))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    add_pod(cluster, "d-0", "decode")
+    rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/default"
+    edited = [
+        f"/api/v1/namespaces/{NS}/serviceaccounts/smollm-agent",
+        f"{rbac}/roles/smollm-agent",
+        f"{rbac}/rolebindings/smollm-agent",
+        f"{SVC_PATH.format(ns=NS)}/smollm-router",
+        f"{NETPOLS}/smollm-prefill",
+    ]
+    for path in edited:  # hand edits the operator repairs with a patch
+        cluster.patch(path, {"metadata": {"labels": {"app.kubernetes.io/managed-by": "someone"}}})
+    for path in edited:
+        cluster.wait_for(
+            lambda path=path: (
+                cluster.get(path)["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
+            ),
+            what=f"{path} repaired",
+        )
+    cluster.delete(INTERNAL)
+    cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret recreated")
+    update_spec(cluster, {"networkPolicy": {"enabled": False}})
+    cluster.wait_for(lambda: cluster.get(f"{NETPOLS}/smollm-decode") is None, what="policies deleted")
+    cluster.delete(MD)
+    cluster.wait_for(lambda: cluster.get(MD) is None, what="finalizer released")
+
+    allowed = chart_rules()
+    used = {(c.group, c.resource, c.verb) for c in cluster.emulator.calls}
+    assert used - allowed == set(), "requests the chart's RBAC would refuse"
+    assert allowed - used == set(UNEXERCISED), "RBAC the operator does not need"
