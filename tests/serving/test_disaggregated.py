@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -22,9 +23,13 @@ from .live import free_port, metrics
 pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.timeout(600)]
 
 ENGINE = ["--dtype", "float32", "--kv-memory", "48MiB", "--max-num-seqs", "16", "--max-model-len", "512"]
+TOKEN = "disaggregated-test-internal-token"
 
 
-def spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
+def spawn(
+    role: str, port: int, *extra: str, token: str | None = TOKEN, stderr: Any = subprocess.PIPE
+) -> subprocess.Popen:
+    """``pagoda serve --role ROLE`` on ``port``; the internal token travels by environment."""
     cmd = [
         sys.executable,
         "-P",
@@ -41,7 +46,11 @@ def spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
         *extra,
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for k in ("PAGODA_INTERNAL_TOKEN", "PAGODA_INTERNAL_TOKEN_FILE"):
+        env.pop(k, None)
+    if token is not None:
+        env["PAGODA_INTERNAL_TOKEN"] = token
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +67,7 @@ def disagg(stack):
             f"http://127.0.0.1:{pp}",
             "--decode-endpoints",
             f"http://127.0.0.1:{dp}",
+            "--trust-tenant-header",  # the tests name tenants by header
         )
         wait_ready(f"http://127.0.0.1:{rp}", list(procs.values()), 60)
         yield {
@@ -116,6 +126,42 @@ def test_prefix_cache_through_the_router_is_per_tenant(disagg) -> None:
     assert cached("alice") == 0
     assert cached("alice") >= 32
     assert cached("bob") == 0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+def test_a_worker_without_the_internal_token_refuses_to_start(role) -> None:
+    """Checked before the model loads: the error names the three places the token may come from."""
+    p = spawn(
+        role, free_port(), "--prefill-endpoints", "http://x:1", "--decode-endpoints", "http://y:1", token=None
+    )
+    _, err = p.communicate(timeout=120)
+    text = err.decode(errors="replace")
+    assert p.returncode != 0
+    assert (
+        "--internal-token-file" in text
+        and "PAGODA_INTERNAL_TOKEN_FILE" in text
+        and "$PAGODA_INTERNAL_TOKEN " in text
+    )
+
+
+def test_the_internal_plane_needs_the_token_but_health_does_not(disagg) -> None:
+    from pagoda.node_agent.serving.internal_auth import HEADER, InternalAuth
+
+    dec = disagg["decode"]
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(dec + path).status_code == 200
+    assert httpx.get(dec + "/internal/state").status_code == 401
+    wrong = InternalAuth("not-the-token-of-this-deployment").headers("GET", "/internal/state")
+    r = httpx.get(dec + "/internal/state", headers=wrong)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "internal_auth_invalid"
+    ok = InternalAuth(TOKEN).headers("GET", "/internal/state")
+    assert httpx.get(dec + "/internal/state", headers=ok).json()["ready"] is True
+    assert httpx.get(dec + "/internal/state", headers=ok).status_code == 403  # a proof is single-use
+    assert HEADER in ok
+    m = metrics(dec)
+    assert metric_sum(m, "pagoda_auth_failures_total", plane="internal", reason="missing") >= 1
+    assert metric_sum(m, "pagoda_auth_failures_total", plane="internal", reason="invalid") >= 1
+    assert metric_sum(m, "pagoda_auth_failures_total", plane="internal", reason="replayed") >= 1
 
 
 def test_killing_the_decode_worker_mid_stream_errors_promptly(disagg) -> None:
