@@ -113,11 +113,27 @@ def _req_str(body: dict[str, Any], key: str, max_chars: int = MAX_ID_CHARS) -> s
     return v
 
 
+def _is_messages(x: Any) -> bool:
+    """Chat messages as the router sends them: ``[{"role": str, "content": str}, ...]``."""
+    return (
+        type(x) is list
+        and bool(x)
+        and all(
+            type(m) is dict and set(m) == {"role", "content"} and all(type(v) is str for v in m.values())
+            for m in x
+        )
+    )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def json_object(request: Request, limit: int) -> dict[str, Any]:
     """The request body as a JSON object (413 beyond ``limit`` bytes, 400 when not an object)."""
     raw = await read_body(request, limit)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from exc
     if not isinstance(body, dict):
@@ -282,8 +298,10 @@ class DisaggWorker:
         if rid is not None and not 1 <= len(rid) <= MAX_ID_CHARS:
             raise _bad(f"request_id must be a string of 1..{MAX_ID_CHARS} characters", "request_id")
         prompt = body.get("prompt")
-        if type(prompt) not in (str, list):
-            raise _bad("prompt must be a string or a list", "messages" if chat else "prompt")
+        if chat and not _is_messages(prompt):
+            raise _bad("messages must be a non-empty list of {role, content} strings", "messages")
+        if not chat and type(prompt) not in (str, list):
+            raise _bad("prompt must be a string or a list of token ids", "prompt")
         try:
             params = params_from_json(_opt(body, "params", (dict,), {}))
             stream = await self.engine.submit(
@@ -295,6 +313,9 @@ class DisaggWorker:
         except (QueueFull, EngineDead, CapacityError) as exc:
             err = busy_error(exc)
             return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        except Exception as exc:  # still a JSON answer
+            log.exception("prefill submit failed")
+            return _error(500, f"prefill failed: {type(exc).__name__}: {exc}"[:500], "request_failed")
         try:
             out = await stream.final()
         except RequestFailed as exc:
