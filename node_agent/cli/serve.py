@@ -288,7 +288,7 @@ def run_disaggregated(a: argparse.Namespace) -> int:
     ]
     supervisor = Supervisor(
         children,
-        env=child_env(os.environ, getattr(a, "internal_token_file", None), a.tenant_secret),
+        env=child_env(os.environ, a.internal_token_file, a.tenant_secret),
         ready=lambda: is_ready(r_url),
         ready_line=f"router {r_url}, prefill :{p_port}, decode :{d_port} (KV :{kv_port})",
         label="pagoda serve --disaggregated",

@@ -35,12 +35,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from pagoda.node_agent.serving.internal_auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
+from pagoda.node_agent.serving.internal_auth import TOKEN_FILE_ENV as INTERNAL_TOKEN_FILE_ENV
 from pagoda.node_agent.serving.launch import stop
 
 log = logging.getLogger("pagoda.supervisor")
 
-INTERNAL_TOKEN_ENV = "PAGODA_INTERNAL_TOKEN"
-INTERNAL_TOKEN_FILE_ENV = "PAGODA_INTERNAL_TOKEN_FILE"
 TENANT_SECRET_ENV = "PAGODA_TENANT_SECRET"
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
