@@ -1,0 +1,64 @@
+"""SamplingParams.validate: seeds and max_tokens are plain integers in range; every accepted seed seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.node_agent.engine.sampling import sample
+from pagoda.node_agent.engine.sequence import SEED_MAX, SEED_MIN, RequestError, SamplingParams, Sequence
+
+EXTREME_SEEDS = [SEED_MIN, SEED_MIN + 1, -1, 0, 1, 2**63 - 1, 2**63, SEED_MAX]
+
+
+@pytest.mark.parametrize(
+    "seed", [True, False, 1.0, "7", SEED_MAX + 1, SEED_MIN - 1, 2**200, -(2**200), [1], 1j]
+)
+def test_bad_seed_is_a_request_error(seed):
+    with pytest.raises(RequestError, match="^seed: "):
+        SamplingParams(seed=seed).validate()
+
+
+@pytest.mark.parametrize("max_tokens", [True, False, 1.0, 3.5, "4", None, 0, -1])
+def test_bad_max_tokens_is_a_request_error(max_tokens):
+    with pytest.raises(RequestError, match="max_tokens"):
+        SamplingParams(max_tokens=max_tokens).validate()
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": "1"}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"top_k": True}, "top_k"),
+    ],
+)
+def test_bad_number_types_are_request_errors(kw, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kw).validate()
+
+
+@pytest.mark.parametrize("seed", [None, *EXTREME_SEEDS])
+def test_every_accepted_seed_seeds_a_generator_and_samples(seed):
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=seed)
+    params.validate()
+    seq = Sequence("r", [1, 2], params)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    first = sample(logits, [seq])
+    assert 0 <= first[0] < 50
+    if seed is None:
+        assert seq.generator is None
+        return
+    assert seq.generator.initial_seed() == seed % 2**64  # negative seeds wrap, none overflows
+    assert sample(logits, [Sequence("r", [1, 2], params)]) == first  # the seed decides the draw
+
+
+def test_extreme_seeds_give_distinct_streams_modulo_2_64():
+    """Seeds are taken modulo 2**64 (-1 and 2**64 - 1 are one stream); distinct residues differ."""
+    states = {bytes(Sequence("r", [1], SamplingParams(seed=s)).generator.get_state()) for s in EXTREME_SEEDS}
+    assert len(states) == len({s % 2**64 for s in EXTREME_SEEDS}) == len(EXTREME_SEEDS) - 2
