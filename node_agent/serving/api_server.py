@@ -156,7 +156,7 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
     app.state.backend = backend
     metrics = settings.metrics
     if backend is not None:
-        settings.on_startup.insert(0, _log_tenancy(settings))
+        settings.on_startup.insert(0, log_tenancy(settings))
         if settings.api_keys is not None:
             app.add_middleware(PublicAuth, keys=settings.api_keys, metrics=metrics)
     app.add_middleware(CatchAll)
@@ -255,7 +255,7 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
     return app
 
 
-def _log_tenancy(settings: ApiSettings) -> Callable[[], Awaitable[None]]:
+def log_tenancy(settings: ApiSettings) -> Callable[[], Awaitable[None]]:
     async def hook() -> None:
         line = settings.tenancy.describe()
         if settings.tenancy.single_tenant:

@@ -113,9 +113,11 @@ class ApiKeys:
         try:
             data = self.path.read_bytes()
         except OSError as exc:
-            log.error(
-                "API keys file %s cannot be read (%s); keeping the current keys", self.path, exc.strerror
-            )
+            if self._seen != b"unreadable":  # logged once per change, not at every check
+                self._seen = b"unreadable"
+                log.error(
+                    "API keys file %s cannot be read (%s); keeping the current keys", self.path, exc.strerror
+                )
             return
         seen = hashlib.sha256(data).digest()
         if seen == self._seen:

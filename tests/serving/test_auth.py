@@ -235,3 +235,17 @@ def test_a_trusted_gateway_header_separates_and_joins_tenants(gateway) -> None:
     assert cached(gateway, "unused", prompt, **{"X-Pagoda-Tenant": "bob"}) == 0
     assert cached(gateway, "unused", prompt) == 0  # no header: the anonymous tenant
     assert cached(gateway, "unused", prompt) == hit
+
+
+def test_without_keys_or_trust_the_server_says_it_is_single_tenant(caplog) -> None:
+    import asyncio
+
+    from pagoda.node_agent.serving.api_server import ApiSettings, log_tenancy
+    from pagoda.node_agent.serving.metrics import ServeMetrics
+    from pagoda.node_agent.serving.tenancy import TenantPolicy
+
+    settings = ApiSettings([MODEL], TenantPolicy.from_settings(None, "s", None), ServeMetrics("both"))
+    with caplog.at_level(logging.INFO, logger="pagoda.api"):
+        asyncio.run(log_tenancy(settings)())
+    assert "single-tenant: no --api-keys" in caplog.text
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
