@@ -6,7 +6,11 @@ the integrity tracker (integrity.py) checks every mapped page's generation tag; 
 (model_runner.py) builds a StepBatch (models/batch.py) and runs the model (models/llama.py), whose
 layers call the kernels (pagoda.kernels); sampling.py picks the token; output.py applies the stop
 rules and detokenizes; ``step`` returns the outputs. Pools are sized and calibrated in kv_setup.py;
-prefill -> decode handoffs are built and received in handoff.py.
+prefill -> decode handoffs are built, validated and received in handoff.py.
+
+Failures stay with the request that causes them: a handoff is validated before a page is taken and
+rolled back if it fails later; a step that raises is re-run in parts, and only a request that fails
+alone ends (finish_reason "error"), so its batch mates' output is what it would have been anyway.
 """
 
 from __future__ import annotations
