@@ -309,32 +309,10 @@ def check_model(model: str, names: list[str]) -> None:
         )
 
 
-async def open_all(backend: Backend, gens: list[GenRequest]) -> list[Handle]:
-    """Every choice of a request, admitted at once by the backend (``Backend.open_all``)."""
-    opener = getattr(backend, "open_all", None)
-    if opener is not None:
-        return await opener(gens)
-    return await open_each(backend, gens)
-
-
-async def open_each(backend: Backend, gens: list[GenRequest]) -> list[Handle]:
-    """For a backend without ``open_all`` (not atomic): open one by one, a failure aborts the ones
-    already opened."""
-    handles: list[Handle] = []
-    try:
-        for g in gens:
-            handles.append(await backend.open(g))
-    except BaseException:
-        for h in handles:
-            h.abort()
-        raise
-    return handles
-
-
 async def respond(
     request: Request, backend: Backend, gens: list[GenRequest], req: Any, kind: str, chat: bool
 ) -> Response:
-    handles = await open_all(backend, gens)
+    handles = await backend.open_all(gens)  # all choices admitted at once, or none
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = req.model
     if req.streaming:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,3 +35,22 @@ def live_app(make_engine, *flags: str, **engine_kw) -> Iterator[tuple[LiveServer
         yield server, app
     finally:
         server.stop()
+
+
+def read_response(s: socket.socket) -> str:
+    """One whole HTTP response (headers and a Content-Length body) from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        got = s.recv(65536)
+        if not got:
+            return data.decode("latin-1")
+        data += got
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = [line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line]
+    length = next((int(v) for k, v in fields if k.strip().lower() == b"content-length"), 0)
+    while len(body) < length:
+        more = s.recv(65536)
+        if not more:
+            break
+        body += more
+    return (head + b"\r\n\r\n" + body).decode("latin-1")

@@ -12,6 +12,7 @@ import pytest
 
 from pagoda.node_agent.serving.metrics import metric_sum
 
+from .apps import read_response
 from .conftest import MODEL
 from .live import metrics, wait_idle
 
@@ -229,15 +230,10 @@ def test_a_partial_body_times_out_with_a_json_408(stack) -> None:
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                 b'Content-Length: 200\r\n\r\n{"model": "smollm2-135m", "pro'
             )
-            data = b""
-            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
-                got = s.recv(65536)
-                if not got:
-                    break
-                data += got
+            data = read_response(s)
     finally:
         settings.body_timeout_s = saved
-    head, _, body = data.decode().partition("\r\n\r\n")
+    head, _, body = data.partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 408") and "application/json" in head
     assert json.loads(body)["error"]["code"] == "body_timeout"
 

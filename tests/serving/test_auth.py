@@ -14,7 +14,7 @@ import pytest
 from pagoda.node_agent.serving.auth import ApiKeys, ApiKeysError, parse_keys
 from pagoda.node_agent.serving.metrics import metric_sum
 
-from .apps import live_app
+from .apps import live_app, read_response
 from .conftest import MODEL
 from .live import metrics
 
@@ -180,8 +180,8 @@ def test_a_refused_key_is_answered_before_the_body_is_read(keyed) -> None:
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-wrong\r\n"
             b'Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n{"mod'
         )
-        head = s.recv(65536).decode("latin-1")
-    assert head.startswith("HTTP/1.1 401") and "invalid_api_key" in head
+        answer = read_response(s)
+    assert answer.startswith("HTTP/1.1 401") and "invalid_api_key" in answer
     r = httpx.post(
         url + "/v1/completions", content=b"x" * (2 << 20), headers={"Authorization": "Bearer no"}, timeout=30
     )
