@@ -43,7 +43,7 @@ from pagoda.node_agent.serving.backend import StreamChunk
 from pagoda.node_agent.serving.internal_auth import InternalAuth
 from pagoda.node_agent.serving.kv_limits import KVLimits
 from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
-from pagoda.node_agent.serving.local_backend import busy_error, request_error
+from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S, busy_error, request_error
 from pagoda.node_agent.serving.metrics import ServeMetrics
 from pagoda.node_agent.serving.protocol import ApiError
 
@@ -268,6 +268,7 @@ class DisaggWorker:
             "kv_free_tokens": free,
             "running": snap.running,
             "waiting": snap.waiting,
+            "max_sequences": self.engine.engine.config.max_num_seqs,
             "inflight": self.engine.num_inflight + len(self.parked),
             "kv_address": self.receiver.address if self.receiver else None,
         }
@@ -330,6 +331,15 @@ class DisaggWorker:
             stats = await self.sender.send(kv_address, ticket, payload)
         except TransferError as exc:
             self.metrics.kv_transfer_failures.labels(self.metrics.pool, "send").inc()
+            if exc.reason == "busy":  # the decode worker has no room now: the client may retry
+                err = ApiError(
+                    429,
+                    f"the decode worker is full ({exc}); retry later",
+                    code="decode_full",
+                    type_="rate_limit_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+                return JSONResponse(err.body(), status_code=429, headers=err.headers)
             return _error(502, str(exc), "kv_transfer_failed")
         m = self.metrics
         m.kv_transfer_pages.labels(m.pool, "sent").inc(stats.pages)
@@ -363,7 +373,10 @@ class DisaggWorker:
         m = self.metrics
         m.kv_transfer_pages.labels(m.pool, "received").inc(payload.num_pages)
         parked.payload.set_result(payload)
-        await asyncio.wait_for(asyncio.shield(parked.accepted), 30)  # raises the engine's refusal
+        try:
+            await asyncio.wait_for(asyncio.shield(parked.accepted), 30)  # raises the engine's refusal
+        except (CapacityError, QueueFull) as exc:
+            raise TransferError(str(exc), "busy") from exc
 
     def _on_bad_payload(self, reason: str, error: str, ticket: str | None) -> None:
         """A refused handoff: counted; the request parked under a claimed ticket fails at once."""

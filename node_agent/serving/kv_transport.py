@@ -69,6 +69,8 @@ _U32 = struct.Struct("<I")
 MAX_ACK = 1 << 16
 MAX_ERROR_CHARS = 500
 CRC_IN_THREAD = 1 << 16  # frames at least this big are checksummed off the event loop
+LINGER_S = 2.0  # after a refusal, how long the receiver drains what the sender still sends
+LINGER_BYTES = 64 << 20  # ... and how much of it, so the refusing ACK is read before any reset
 
 
 class TransferError(RuntimeError):
@@ -342,7 +344,8 @@ class TcpKVSender:
                 await writer.wait_closed()
         if not isinstance(ack, dict) or not ack.get("ok"):
             err = ack.get("error") if isinstance(ack, dict) else ack
-            raise TransferError(f"the decode worker refused the KV pages: {err}", "refused")
+            reason = "busy" if isinstance(ack, dict) and ack.get("reason") == "busy" else "refused"
+            raise TransferError(f"the decode worker refused the KV pages: {err}", reason)
         return TransferStats(payload.num_pages, sum(len(f) for f in frames), time.perf_counter() - t0)
 
 
@@ -418,10 +421,12 @@ class TcpKVReceiver:
                     raise TransferError(msg, "timeout") from exc
                 try:
                     await self.handler(state["ticket"], payload)
+                except TransferError:
+                    raise
                 except Exception as exc:
                     raise TransferError(str(exc), "refused") from exc
             except TransferError as exc:
-                ack = {"ok": False, "error": str(exc)[:MAX_ERROR_CHARS]}
+                ack = {"ok": False, "error": str(exc)[:MAX_ERROR_CHARS], "reason": exc.reason}
                 self._refused(exc.reason, str(exc), state["ticket"])
             except (OSError, EOFError) as exc:
                 ack = {"ok": False, "error": f"connection lost: {exc!r}"[:MAX_ERROR_CHARS]}
@@ -433,6 +438,8 @@ class TcpKVReceiver:
             with contextlib.suppress(Exception):
                 writer.write(encode_frame(ACK, json.dumps(ack).encode()))
                 await asyncio.wait_for(writer.drain(), self.limits.frame_timeout_s)
+                if not ack["ok"]:
+                    await _linger(reader, writer)
         finally:
             self.active -= 0 if busy else 1
             self.reserved_pages -= state["pages"]
@@ -479,3 +486,18 @@ class TcpKVReceiver:
     def _auth_failure(self, reason: str) -> None:
         if self.on_auth_failure:
             self.on_auth_failure(reason)
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After a refusing ACK: half-close, then read and drop what the sender still sends (bounded in
+    time and bytes) until it closes. Closing at once with unread data would reset the connection,
+    and a reset can destroy the ACK before the sender reads why it was refused."""
+    with contextlib.suppress(Exception):
+        writer.write_eof()
+        async with asyncio.timeout(LINGER_S):
+            dropped = 0
+            while dropped < LINGER_BYTES:
+                chunk = await reader.read(1 << 16)
+                if not chunk:
+                    return
+                dropped += len(chunk)

@@ -60,6 +60,8 @@ class Worker:
     role: str
     ready: bool = False
     kv_free_tokens: int = 0
+    max_sequences: int = 0  # decode: sequences it decodes at once (0: not reported)
+    reported_inflight: int = 0  # requests on it as it last reported (all routers)
     inflight: int = 0  # requests this router has on it now
     prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
@@ -143,7 +145,9 @@ class Router:
             if not ok:
                 w.mark_down("not ready")
             w.ready = ok
-            w.kv_free_tokens = int(state.get("kv_free_tokens") or 0)
+            w.kv_free_tokens = _count(state.get("kv_free_tokens"))
+            w.max_sequences = _count(state.get("max_sequences"))
+            w.reported_inflight = _count(state.get("inflight"))
 
     # ------------------------------------------------------------------ Backend
 
@@ -231,7 +235,26 @@ class Router:
                 type_="rate_limit_error",
                 headers={"Retry-After": "1"},
             )
+        room = self._decode_room()
+        if room is not None and n > room:
+            raise ApiError(
+                429,
+                f"the decode workers have room for {room} more sequences now and this request needs "
+                f"{n}; retry later",
+                code="decode_full",
+                type_="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
         self.inflight += n
+
+    def _decode_room(self) -> int | None:
+        """Sequences the ready decode workers can still take (None: unknown, e.g. none ready yet; the
+        pick answers that). A decode worker refuses a handoff beyond its --max-num-seqs, so a request
+        that cannot fit is refused here, before any prefill work."""
+        ready = [w for w in self.decode if w.ready]
+        if not ready or any(w.max_sequences <= 0 for w in ready):
+            return None
+        return sum(max(0, w.max_sequences - max(w.inflight, w.reported_inflight)) for w in ready)
 
     def _release(self) -> None:
         self.inflight -= 1
@@ -476,3 +499,8 @@ class RouterHandle:
         resp = self._stream[0]
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(resp.aclose())
+
+
+def _count(value: Any) -> int:
+    """A non-negative count from a worker's state (anything else counts as 0)."""
+    return value if type(value) is int and value > 0 else 0

@@ -281,3 +281,42 @@ def test_router_admits_a_request_s_choices_together() -> None:
             await router.stop()
 
     asyncio.run(main())
+
+
+def test_the_router_refuses_what_the_decode_workers_cannot_hold_before_any_prefill(workers) -> None:
+    """The decode worker (max_num_seqs 4) reports its room; 5 choices are refused at once with 429,
+    and no prompt reaches the prefill worker."""
+    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.serving.backend import GenRequest
+    from pagoda.node_agent.serving.metrics import ServeMetrics, metric_sum, parse_metrics
+    from pagoda.node_agent.serving.protocol import ApiError
+    from pagoda.node_agent.serving.router import Router, RouterSettings
+
+    assert signed("GET", workers["decode"], "/internal/state").json()["max_sequences"] == 4
+
+    def prefill_prompts() -> float:
+        m = parse_metrics(httpx.get(workers["prefill"] + "/metrics", timeout=10).text)
+        return metric_sum(m, "pagoda_requests_total")
+
+    before = prefill_prompts()
+
+    async def main() -> None:
+        settings = RouterSettings([workers["prefill"]], [workers["decode"]], max_inflight=64)
+        router = Router(settings, ServeMetrics("router"), InternalAuth(TOKEN))
+        await router.start()
+        try:
+            assert router.ready
+            req = GenRequest("hi", SamplingParams(max_tokens=2, temperature=0.0))
+            with pytest.raises(ApiError) as e:
+                await router.open_all([req] * 5)
+            assert e.value.status == 429 and e.value.code == "decode_full" and e.value.headers["Retry-After"]
+            assert router.inflight == 0
+            handles = await router.open_all([req] * 2)  # what fits still runs
+            for h in handles:
+                async for _ in h:
+                    pass
+        finally:
+            await router.stop()
+
+    asyncio.run(main())
+    assert prefill_prompts() == before + 2  # only the two admitted prompts were prefilled

@@ -55,7 +55,7 @@ def limits(**kw: Any) -> KVLimits:
     return KVLimits(
         num_layers=2,
         page_size=4,
-        component_shapes={"k": (2, 8), "v": (2, 8)},
+        component_shapes=kw.pop("component_shapes", {"k": (2, 8), "v": (2, 8)}),
         vocab_size=100,
         max_model_len=64,
         generator_state_len=GEN_LEN,
@@ -303,9 +303,52 @@ def test_non_object_and_non_json_headers_are_refused() -> None:
 def test_more_pages_than_the_decode_pool_has_free_is_busy() -> None:
     ack, r = run(lambda r: r.raw(payload_frames("t1", payload(), AUTH)), free_pages=lambda: 2)
     assert not ack["ok"] and "do not fit" in ack["error"] and r.reasons() == ["busy"]
+    assert ack["reason"] == "busy"
 
 
-# ---------------------------------------------------------------------- frames
+def test_the_sender_learns_that_a_refusal_was_for_room() -> None:
+    """A busy refusal reaches the prefill worker as such, so it answers 429 (retry), not 502."""
+    with pytest.raises(TransferError) as busy:
+        run(lambda r: TcpKVSender(AUTH, timeout=10).send(r.addr, "t1", payload()), free_pages=lambda: 2)
+    assert busy.value.reason == "busy"
+    with pytest.raises(TransferError) as refused:
+        run(lambda r: TcpKVSender(AUTH, timeout=10).send(r.addr, "t1", payload()), refuse=True)
+    assert refused.value.reason == "refused"
+
+
+def test_a_refusal_of_a_large_handoff_is_read_by_the_sender_not_lost_in_a_reset() -> None:
+    """Megabytes still on their way when the header is refused: the receiver drains them after its
+    ACK instead of resetting the connection, so even a sender that writes everything before it
+    reads learns the reason (and the real sender reports it as busy)."""
+    g = torch.Generator().manual_seed(0)
+    big = payload(pages=15)
+    big.layers = [{c: torch.randn(15, 4, 64, 128, generator=g) for c in ("k", "v")} for _ in range(2)]
+    shapes = {"k": (64, 128), "v": (64, 128)}
+    frames = payload_frames("t1", big, AUTH)
+    assert sum(map(len, frames)) > 4 << 20
+
+    async def write_all_then_read(r: Rig) -> dict[str, Any]:
+        host, _, port = r.addr.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            for f in frames:
+                writer.write(f)
+                await writer.drain()
+            ftype, body = await read_frame(reader, lambda t: 1 << 16 if t == ACK else -1, 10)
+            assert ftype == ACK
+            return json.loads(body)
+        finally:
+            writer.close()
+
+    ack, r = run(write_all_then_read, free_pages=lambda: 2, component_shapes=shapes)
+    assert not ack["ok"] and ack["reason"] == "busy" and r.reasons() == ["busy"]
+    with pytest.raises(TransferError) as busy:
+        run(
+            lambda r: TcpKVSender(AUTH, timeout=10).send(r.addr, "t1", big),
+            free_pages=lambda: 2,
+            component_shapes=shapes,
+        )
+    assert busy.value.reason == "busy" and "do not fit" in str(busy.value)
 
 
 def _prefix(ftype: int, length: int) -> bytes:
