@@ -282,17 +282,14 @@ class DisaggWorker:
         if type(grant) is not str or not self.auth.check_grant(ticket, kv_address, grant):
             m = self.metrics
             m.auth_failures.labels(m.pool, "internal", "bad_grant").inc()
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "the decode worker's grant for this ticket and kv_address is missing or wrong",
-                        "type": "authentication_error",
-                        "param": "grant",
-                        "code": "bad_grant",
-                    }
-                },
-                status_code=403,
+            err = ApiError(
+                403,
+                "the decode worker's grant for this ticket and kv_address is missing or wrong",
+                param="grant",
+                code="bad_grant",
+                type_="authentication_error",
             )
+            return JSONResponse(err.body(), status_code=403)
         chat = _opt(body, "chat", (bool,), False)
         salt = _opt(body, "cache_salt", (str,), "")
         rid = _opt(body, "request_id", (str,))

@@ -38,6 +38,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from pagoda.node_agent.serving.metrics import ServeMetrics
+from pagoda.node_agent.serving.protocol import ApiError
 
 HEADER = "X-Pagoda-Internal-Auth"
 TOKEN_FILE_ENV = "PAGODA_INTERNAL_TOKEN_FILE"
@@ -144,8 +145,8 @@ class InternalAuth:
         status, reason, message = bad
         metrics.auth_failures.labels(metrics.pool, "internal", reason).inc()
         code = "internal_auth_missing" if status == 401 else "internal_auth_invalid"
-        body = {"error": {"message": message, "type": "authentication_error", "param": None, "code": code}}
-        return JSONResponse(body, status_code=status)
+        err = ApiError(status, message, code=code, type_="authentication_error")
+        return JSONResponse(err.body(), status_code=status)
 
     # ------------------------------------------------------------------ grants and KV headers
 

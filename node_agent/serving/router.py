@@ -32,6 +32,7 @@ from pagoda.node_agent.serving.async_engine import RequestFailed
 from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
 from pagoda.node_agent.serving.disagg_worker import params_to_json
 from pagoda.node_agent.serving.internal_auth import InternalAuth
+from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S
 from pagoda.node_agent.serving.metrics import ServeMetrics
 from pagoda.node_agent.serving.protocol import ApiError
 
@@ -166,12 +167,10 @@ class Router:
     ) -> tuple[Worker, str]:
         ready = [w for w in workers if w.ready]
         if not ready:
-            raise ApiError(
+            raise retry_later(
                 503,
                 f"no {role} worker is ready; retry later",
-                code="no_worker",
-                type_="server_error",
-                headers={"Retry-After": "1"},
+                "no_worker",
             )
         if self.settings.session_affinity and req.session:
             w = self.sessions.get((role, req.session))
@@ -228,22 +227,18 @@ class Router:
                 code="too_many_choices",
             )
         if self.inflight + n > limit:
-            raise ApiError(
+            raise retry_later(
                 429,
                 f"the server is busy ({self.inflight} of {limit} requests in flight); retry later",
-                code="queue_full",
-                type_="rate_limit_error",
-                headers={"Retry-After": "1"},
+                "queue_full",
             )
         room = self._decode_room()
         if room is not None and n > room:
-            raise ApiError(
+            raise retry_later(
                 429,
                 f"the decode workers have room for {room} more sequences now and this request needs "
                 f"{n}; retry later",
-                code="decode_full",
-                type_="rate_limit_error",
-                headers={"Retry-After": "1"},
+                "decode_full",
             )
         self.inflight += n
 
@@ -302,12 +297,10 @@ class Router:
                 grant = (first["kv_address"], first["ticket"], first["grant"])
             except (httpx.HTTPError, StopAsyncIteration, ValueError, KeyError, TypeError) as exc:
                 dec.mark_down(repr(exc))
-                raise ApiError(
+                raise retry_later(
                     503,
                     f"decode worker {dec.url} failed: {exc!r}",
-                    code="worker_failed",
-                    type_="server_error",
-                    headers={"Retry-After": "1"},
+                    "worker_failed",
                 ) from exc
             pbody = {
                 "prompt": req.prompt,
@@ -323,12 +316,10 @@ class Router:
                 r = await self._send("POST", pre.url + "/internal/prefill", json=pbody)
             except httpx.HTTPError as exc:
                 pre.mark_down(repr(exc))
-                raise ApiError(
+                raise retry_later(
                     503,
                     f"prefill worker {pre.url} failed: {exc!r}",
-                    code="worker_failed",
-                    type_="server_error",
-                    headers={"Retry-After": "1"},
+                    "worker_failed",
                 ) from exc
             if r.status_code in (401, 403):
                 raise _worker_error(pre, r.status_code, r.content)
@@ -504,3 +495,9 @@ class RouterHandle:
 def _count(value: Any) -> int:
     """A non-negative count from a worker's state (anything else counts as 0)."""
     return value if type(value) is int and value > 0 else 0
+
+
+def retry_later(status: int, message: str, code: str) -> ApiError:
+    """A 429 (busy) or 503 (no worker) the client should retry: ``Retry-After`` set."""
+    kind = "rate_limit_error" if status == 429 else "server_error"
+    return ApiError(status, message, code=code, type_=kind, headers={"Retry-After": str(RETRY_AFTER_S)})
