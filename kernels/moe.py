@@ -1,0 +1,313 @@
+"""Fused mixture-of-experts (MoE) feed-forward: stacked SwiGLU experts in dense, INT4 or FP8 form.
+
+``fused_moe`` computes, for every token t and each of its k routed experts e = topk_ids[t, j]::
+
+    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+
+grouped by expert: the T*k (token, expert) assignments are sorted by expert, and every expert that
+received rows runs one GEMM over them (no per-token loop). Formats of an :class:`ExpertStack`:
+
+  * ``dense`` - ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` in the compute dtype (bf16 or float32);
+  * ``int4``  - kernels.int4's canonical group-wise layout with a leading expert axis: packed uint8
+    ``[E, N, K//2]``, float32 scales ``[E, N, K//g]``, uint8 zeros ``[E, N, K//g]`` or None
+    (symmetric); one group size g for both projections (it divides H and I);
+  * ``fp8``   - float8_e4m3fn ``[E, N, K]`` with per-output-channel float32 scales ``[E, N]``
+    (kernels.fp8's scheme, one scale per row of every expert).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .dispatch import resolve
+from .fp8 import _fp8_linear_dequant_rows, fp8_linear_scaled_mm
+from .fp8_format import FP8_DTYPE, dequantize_fp8, quantize_fp8_weight
+from .int4 import (
+    SUPPORTED_GROUPS,
+    Int4Weight,
+    cpu_int4_mm,
+    dequantize_int4,
+    pick_group_size,
+    quantize_int4,
+)
+
+FORMATS = ("dense", "int4", "fp8")
+
+
+@dataclass(eq=False)
+class ExpertStack:
+    """The E experts of one MoE layer in one weight format, stacked on a leading expert axis.
+
+    gate_up rows [0, I) are the gate projection, [I, 2I) the up projection (SwiGLU: silu(gate) * up).
+    FP8 scales are per output channel: ``gate_up_scales [E, 2I]``, ``down_scales [E, H]`` float32.
+    """
+
+    fmt: str  # "dense" | "int4" | "fp8"
+    num_experts: int
+    hidden: int  # H
+    intermediate: int  # I (per expert)
+    gate_up: Tensor  # dense [E, 2I, H] | int4 uint8 [E, 2I, H//2] | fp8 [E, 2I, H]
+    down: Tensor  # dense [E, H, I] | int4 uint8 [E, H, I//2] | fp8 [E, H, I]
+    gate_up_scales: Tensor | None = None
+    gate_up_zeros: Tensor | None = None
+    down_scales: Tensor | None = None
+    down_zeros: Tensor | None = None
+    group_size: int = 0
+    # Per-expert views built lazily by the CPU path (int4: Int4Weight with its int4pack layout).
+    _cpu: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown expert format {self.fmt!r}; expected one of {', '.join(FORMATS)}")
+        e, h, i = self.num_experts, self.hidden, self.intermediate
+        kdiv = 2 if self.fmt == "int4" else 1
+        _check_shape("gate_up", self.gate_up, (e, 2 * i, h // kdiv))
+        _check_shape("down", self.down, (e, h, i // kdiv))
+        if self.fmt == "int4":
+            g = self.group_size
+            if g <= 0 or g % 2 or h % g or i % g:
+                raise ValueError(f"int4 group size {g} must be even and divide H={h} and I={i}")
+            if self.gate_up.dtype != torch.uint8 or self.down.dtype != torch.uint8:
+                raise ValueError("int4 experts must be packed uint8")
+            _check_shape("gate_up_scales", self.gate_up_scales, (e, 2 * i, h // g))
+            _check_shape("down_scales", self.down_scales, (e, h, i // g))
+            if (self.gate_up_zeros is None) != (self.down_zeros is None):
+                raise ValueError("int4 zeros must be given for both projections or for neither")
+            if self.gate_up_zeros is not None:
+                _check_shape("gate_up_zeros", self.gate_up_zeros, (e, 2 * i, h // g))
+                _check_shape("down_zeros", self.down_zeros, (e, h, i // g))
+        elif self.fmt == "fp8":
+            if self.gate_up.dtype != FP8_DTYPE or self.down.dtype != FP8_DTYPE:
+                raise ValueError(f"fp8 experts must be {FP8_DTYPE}")
+            _check_shape("gate_up_scales", self.gate_up_scales, (e, 2 * i))
+            _check_shape("down_scales", self.down_scales, (e, h))
+        elif not self.gate_up.is_floating_point() or self.gate_up.dtype != self.down.dtype:
+            raise ValueError("dense experts must share one floating-point dtype")
+
+    @property
+    def symmetric(self) -> bool:
+        """INT4 without zero points (8 is the implicit zero)."""
+        return self.gate_up_zeros is None
+
+    def tensors(self) -> list[Tensor]:
+        """Every canonical tensor held (None fields left out)."""
+        ts = (self.gate_up, self.down, self.gate_up_scales, self.gate_up_zeros, self.down_scales)
+        return [t for t in (*ts, self.down_zeros) if t is not None]
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held, including layouts cached by the CPU path."""
+        total = sum(t.nbytes for t in self.tensors())
+        for v in self._cpu.values():
+            if isinstance(v, Int4Weight):
+                total += sum(p.nbytes + sz.nbytes for p, sz in v._cpu.values())
+        return total
+
+    def dequantize(self, expert: int) -> tuple[Tensor, Tensor]:
+        """Expert ``expert``'s (gate_up [2I, H], down [H, I]) as float32 (the reference's weights)."""
+        if self.fmt == "dense":
+            return self.gate_up[expert].float(), self.down[expert].float()
+        if self.fmt == "fp8":
+            gu = dequantize_fp8(self.gate_up[expert], self.gate_up_scales[expert][:, None])
+            return gu, dequantize_fp8(self.down[expert], self.down_scales[expert][:, None])
+        return dequantize_int4(self.int4_weight("gate_up", expert)), dequantize_int4(
+            self.int4_weight("down", expert)
+        )
+
+    def int4_weight(self, proj: str, expert: int) -> Int4Weight:
+        """An :class:`Int4Weight` viewing one expert's projection (cached: it carries the CPU layout)."""
+        key = (proj, expert)
+        w = self._cpu.get(key)
+        if w is None:
+            if proj == "gate_up":
+                n, k = 2 * self.intermediate, self.hidden
+                t = (self.gate_up, self.gate_up_scales, self.gate_up_zeros)
+            else:
+                n, k = self.hidden, self.intermediate
+                t = (self.down, self.down_scales, self.down_zeros)
+            packed, scales, zeros = (None if a is None else a[expert] for a in t)
+            w = Int4Weight(n, k, self.group_size, zeros is None, packed, scales, zeros)
+            self._cpu[key] = w
+        return w  # type: ignore[return-value]
+
+
+def _check_shape(name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
+    if t is None:
+        raise ValueError(f"{name} is required for this expert format")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def make_expert_stack(
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    fmt: str,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    symmetric: bool = False,
+) -> ExpertStack:
+    """gate/up [E, I, H], down [E, H, I] float tensors (as loaded from a checkpoint) -> one format.
+
+    ``dense`` casts to ``dtype``. ``int4`` quantizes group-wise with kernels.int4's quantizer
+    (asymmetric unless ``symmetric``); the group size is ``group_size`` if given, else
+    :func:`pick_group_size` over gcd(H, I) so one size fits both projections. ``fp8`` quantizes
+    per output channel like kernels.fp8.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown expert format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if gate.dim() != 3 or up.shape != gate.shape:
+        raise ValueError(f"gate and up must both be [E, I, H], got {tuple(gate.shape)}, {tuple(up.shape)}")
+    e, i, h = gate.shape
+    if down.shape != (e, h, i):
+        raise ValueError(f"down must be [E, H, I] = {(e, h, i)}, got {tuple(down.shape)}")
+    gate_up = torch.cat([gate, up], dim=1)
+    if fmt == "dense":
+        return ExpertStack("dense", e, h, i, gate_up.to(dtype).contiguous(), down.to(dtype).contiguous())
+    if fmt == "fp8":
+        gu_q, gu_s = quantize_fp8_weight(gate_up.reshape(e * 2 * i, h))
+        d_q, d_s = quantize_fp8_weight(down.reshape(e * h, i))
+        return ExpertStack(
+            "fp8",
+            e,
+            h,
+            i,
+            gu_q.reshape(e, 2 * i, h),
+            d_q.reshape(e, h, i),
+            gate_up_scales=gu_s.reshape(e, 2 * i),
+            down_scales=d_s.reshape(e, h),
+        )
+    g = pick_group_size(math.gcd(h, i)) if group_size is None else group_size
+    # Group-wise quantization is per row, so all experts' rows quantize as one matrix.
+    gu = quantize_int4(gate_up.reshape(e * 2 * i, h), g, symmetric=symmetric)
+    dq = quantize_int4(down.reshape(e * h, i), g, symmetric=symmetric)
+
+    def split(t: Tensor | None, n: int) -> Tensor | None:
+        return None if t is None else t.reshape(e, n, -1)
+
+    return ExpertStack(
+        "int4",
+        e,
+        h,
+        i,
+        split(gu.packed, 2 * i),
+        split(dq.packed, h),
+        gate_up_scales=split(gu.scales, 2 * i),
+        gate_up_zeros=split(gu.zeros, 2 * i),
+        down_scales=split(dq.scales, h),
+        down_zeros=split(dq.zeros, h),
+        group_size=g,
+    )
+
+
+def _check_inputs(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack) -> None:
+    """Shapes, dtypes and the expert-id range (one device sync on GPU)."""
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"x must be [T, {experts.hidden}], got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights/topk_ids must both be [T={x.shape[0]}, k], got "
+            f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if topk_ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+        if lo < 0 or hi >= experts.num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {experts.num_experts}), got [{lo}, {hi}]")
+
+
+def moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack) -> Tensor:
+    """Plain torch, float32 math: loops over the experts used, dequantizing each one's weights."""
+    _check_inputs(x, topk_weights, topk_ids, experts)
+    i = experts.intermediate
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xf, wf = x.float(), topk_weights.float()
+    for e in torch.unique(topk_ids).tolist():
+        t_idx, j_idx = torch.nonzero(topk_ids == e, as_tuple=True)
+        gu, dw = experts.dequantize(e)
+        h = xf[t_idx] @ gu.T
+        y = (F.silu(h[:, :i]) * h[:, i:]) @ dw.T
+        out.index_add_(0, t_idx, y * wf[t_idx, j_idx, None])
+    return out.to(x.dtype)
+
+
+def sort_by_expert(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, list[int]]:
+    """(order, counts): flat assignment indices sorted by expert, and rows per expert (host ints)."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, counts
+
+
+def _expert_mm(x: Tensor, experts: ExpertStack, proj: str, e: int) -> Tensor:
+    """``x @ W_e.T`` for one expert's projection on the CPU backend; result in float32."""
+    if experts.fmt == "dense":
+        w = experts.gate_up[e] if proj == "gate_up" else experts.down[e]
+        return (x.to(w.dtype) @ w.T).float()
+    if experts.fmt == "fp8":
+        w, s = (
+            (experts.gate_up[e], experts.gate_up_scales[e])
+            if proj == "gate_up"
+            else (experts.down[e], experts.down_scales[e])
+        )
+        xf = x.float()
+        if x.device.type == "cpu":
+            return _fp8_linear_dequant_rows(xf, w, s, None)
+        return fp8_linear_scaled_mm(xf, w, s)
+    qw = experts.int4_weight(proj, e)
+    if x.device.type == "cpu" and qw.group_size in SUPPORTED_GROUPS:
+        return cpu_int4_mm(x, qw).float()
+    return x.float() @ dequantize_int4(qw).T
+
+
+def _moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack) -> Tensor:
+    """Sort rows by expert, one GEMM pair per expert with rows, weighted sum over the k slots."""
+    t, k = topk_ids.shape
+    i = experts.intermediate
+    order, counts = sort_by_expert(topk_ids, experts.num_experts)
+    xs = x[order // k]  # [T*k, H] rows grouped by expert
+    ys = torch.empty(t * k, experts.hidden, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        h = _expert_mm(xs[rows], experts, "gate_up", e)
+        act = (F.silu(h[:, :i]) * h[:, i:]).to(x.dtype)
+        ys[rows] = _expert_mm(act, experts, "down", e)
+        start += n
+    ys *= topk_weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(t * k, experts.hidden, dtype=torch.float32, device=x.device)
+    out[order] = ys
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def fused_moe(
+    x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack, backend: str | None = None
+) -> Tensor:
+    """x [T, H]; topk_weights [T, k] float32 (already normalized/scaled by the router);
+    topk_ids [T, k] int64 in [0, E). Returns [T, H] in x's dtype:
+    out[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j].
+
+    Raises ValueError on bad shapes, dtypes or expert ids (checked before any compute).
+    """
+    _check_inputs(x, topk_weights, topk_ids, experts)
+    # FP8 experts have no Triton kernel yet: a triton request runs (and is counted as) cpu.
+    supports = ("cpu", "reference") if experts.fmt == "fp8" else ("triton", "cpu", "reference")
+    be = resolve("fused_moe", x.device, backend, supports)
+    if x.shape[0] == 0 or topk_ids.shape[1] == 0:
+        return torch.zeros_like(x)
+    if be == "reference":
+        return moe_reference(x, topk_weights, topk_ids, experts)
+    if be == "triton":
+        from .triton_moe import triton_fused_moe
+
+        return triton_fused_moe(x, topk_weights, topk_ids, experts)
+    return _moe_cpu(x, topk_weights, topk_ids, experts)

@@ -1,0 +1,159 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
+from pagoda.kernels.fp8_format import FP8_DTYPE
+from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack, moe_reference
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
+
+
+def make_case(e, h, i, t, k, seed=0, ids=None):
+    """Random experts (float32, checkpoint layout), tokens, and router outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(e, i, h, generator=gen) / h**0.5
+    up = torch.randn(e, i, h, generator=gen) / h**0.5
+    down = torch.randn(e, h, i, generator=gen) / i**0.5
+    x = torch.randn(t, h, generator=gen)
+    if ids is None:
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else None
+        ids = ids if ids is not None else torch.zeros(0, k, dtype=torch.long)
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return gate, up, down, x, w, ids
+
+
+def naive(x, w, ids, gate, up, down):
+    """Per token, per slot, straight from the float32 checkpoint tensors."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            xt = x[t].float()
+            act = F.silu(gate[e] @ xt) * (up[e] @ xt)
+            out[t] += w[t, j] * (down[e] @ act)
+    return out
+
+
+def dequantized(stack: ExpertStack):
+    """The float32 (gate, up, down) a quantized stack actually holds."""
+    gus, downs = zip(*(stack.dequantize(e) for e in range(stack.num_experts)), strict=True)
+    gu, dw = torch.stack(gus), torch.stack(downs)
+    i = stack.intermediate
+    return gu[:, :i], gu[:, i:], dw
+
+
+@pytest.mark.parametrize(
+    "fmt,kw", [("dense", {"dtype": torch.float32}), ("int4", {"group_size": 32}), ("fp8", {})]
+)
+def test_reference_matches_naive_per_token(fmt, kw):
+    gate, up, down, x, w, ids = make_case(e=6, h=64, i=32, t=5, k=2)
+    stack = make_expert_stack(gate, up, down, fmt, **kw)
+    ref = moe_reference(x, w, ids, stack)
+    assert ref.shape == x.shape and ref.dtype == x.dtype
+    torch.testing.assert_close(ref, naive(x, w, ids, *dequantized(stack)), rtol=1e-5, atol=1e-5)
+    if fmt == "dense":
+        torch.testing.assert_close(ref, naive(x, w, ids, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
+# (fmt, make_expert_stack kwargs, compute dtype, tolerance on relative error vs the reference)
+FORMATS = [
+    ("dense", {"dtype": torch.float32}, torch.float32, 1e-5),
+    ("dense", {"dtype": torch.bfloat16}, torch.bfloat16, 2e-2),
+    ("int4", {"group_size": 32}, torch.float32, 2e-2),
+    ("int4", {"group_size": 64, "symmetric": True}, torch.float32, 2e-2),
+    ("int4", {"group_size": 128}, torch.bfloat16, 3e-2),
+    ("fp8", {}, torch.float32, 1e-4),
+    ("fp8", {}, torch.bfloat16, 2e-2),
+]
+FORMAT_IDS = ["f32", "bf16", "int4-g32", "int4-g64-sym", "int4-g128-bf16", "fp8", "fp8-bf16"]
+
+
+@pytest.mark.parametrize("fmt,kw,dtype,tol", FORMATS, ids=FORMAT_IDS)
+def test_cpu_matches_reference(fmt, kw, dtype, tol):
+    gate, up, down, x, w, ids = make_case(e=8, h=128, i=128, t=9, k=2)
+    stack = make_expert_stack(gate, up, down, fmt, **kw)
+    x = x.to(dtype)
+    out = fused_moe(x, w, ids, stack, backend="cpu")
+    ref = moe_reference(x, w, ids, stack)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, ref) < tol
+
+
+EDGE_CASES = {
+    "one-token": dict(e=8, t=1, k=2),
+    "k1": dict(e=8, t=6, k=1),
+    "all-one-expert": dict(e=8, t=7, k=1, ids=torch.full((7, 1), 3)),
+    "unused-experts": dict(e=8, t=4, k=2, ids=torch.tensor([[1, 5], [5, 1], [1, 5], [5, 1]])),
+    "e64-k8": dict(e=64, t=5, k=8),
+}
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=list(EDGE_CASES))
+def test_cpu_edge_cases(case):
+    kw = EDGE_CASES[case]
+    gate, up, down, x, w, ids = make_case(h=64, i=32, **kw)
+    stack = make_expert_stack(gate, up, down, "dense", dtype=torch.float32)
+    out = fused_moe(x, w, ids, stack, backend="cpu")
+    torch.testing.assert_close(out, naive(x, w, ids, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_bytes_at_most_0_3x_bf16():
+    gate, up, down, *_ = make_case(e=8, h=256, i=128, t=0, k=1)
+    bf16 = make_expert_stack(gate, up, down, "dense").nbytes()
+    assert bf16 == 8 * 3 * 256 * 128 * 2
+    for sym in (False, True):
+        q = make_expert_stack(gate, up, down, "int4", symmetric=sym)
+        assert q.group_size == 128
+        assert q.nbytes() <= 0.3 * bf16
+    assert make_expert_stack(gate, up, down, "fp8").nbytes() <= 0.52 * bf16
+
+
+def test_make_expert_stack_layout():
+    gate, up, down, *_ = make_case(e=3, h=96, i=64, t=0, k=1)
+    q = make_expert_stack(gate, up, down, "int4")
+    assert q.group_size == 32  # gcd(96, 64) = 32
+    assert q.gate_up.shape == (3, 128, 48) and q.gate_up.dtype == torch.uint8
+    assert q.gate_up_scales.shape == (3, 128, 3) and q.gate_up_zeros.shape == (3, 128, 3)
+    assert q.down.shape == (3, 96, 32) and q.down_scales.shape == (3, 96, 2)
+    f = make_expert_stack(gate, up, down, "fp8")
+    assert (
+        f.gate_up.dtype == FP8_DTYPE and f.gate_up_scales.shape == (3, 128) and f.down_scales.shape == (3, 96)
+    )
+    d = make_expert_stack(gate, up, down, "dense")
+    assert torch.equal(d.gate_up[1, :64], gate[1].bfloat16()) and torch.equal(
+        d.gate_up[1, 64:], up[1].bfloat16()
+    )
+
+
+def test_invalid_inputs_raise_before_compute():
+    gate, up, down, x, w, ids = make_case(e=4, h=64, i=32, t=3, k=2)
+    stack = make_expert_stack(gate, up, down, "dense", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        fused_moe(x, w, ids + 4, stack)
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        fused_moe(x, w, ids - 5, stack)
+    with pytest.raises(ValueError, match="x must be"):
+        fused_moe(x[:, :32], w, ids, stack)
+    with pytest.raises(ValueError, match="topk_weights/topk_ids"):
+        fused_moe(x, w[:, :1], ids, stack)
+    with pytest.raises(ValueError, match="integer"):
+        fused_moe(x, w, ids.float(), stack)
+    with pytest.raises(ValueError, match="unknown expert format"):
+        make_expert_stack(gate, up, down, "int8")
+    with pytest.raises(ValueError, match="down must be"):
+        make_expert_stack(gate, up, down.transpose(1, 2), "dense")
+    with pytest.raises(ValueError, match="group size"):
+        make_expert_stack(gate, up, down, "int4", group_size=64)  # I=32
+
+
+def test_empty_batch_and_stats():
+    gate, up, down, x, w, ids = make_case(e=4, h=64, i=32, t=3, k=2)
+    stack = make_expert_stack(gate, up, down, "fp8")
+    reset_kernel_stats()
+    out = fused_moe(x[:0], w[:0], ids[:0], stack, backend="cpu")
+    assert out.shape == (0, 64)
+    fused_moe(x, w, ids, stack, backend="triton")  # fp8 has no Triton kernel: runs and counts cpu
+    assert kernel_stats() == {"fused_moe/cpu": 2}
