@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import needs_triton
 
 from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
 from pagoda.kernels.fp8_format import FP8_DTYPE
@@ -157,3 +158,48 @@ def test_empty_batch_and_stats():
     assert out.shape == (0, 64)
     fused_moe(x, w, ids, stack, backend="triton")  # fp8 has no Triton kernel: runs and counts cpu
     assert kernel_stats() == {"fused_moe/cpu": 2}
+
+
+TRITON_FORMATS = [f for f in FORMATS if f[0] != "fp8"]
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,kw,dtype,tol", TRITON_FORMATS, ids=FORMAT_IDS[:5])
+def test_triton_matches_reference(fmt, kw, dtype, tol):
+    gate, up, down, x, w, ids = make_case(e=4, h=128, i=128, t=5, k=2)
+    stack = make_expert_stack(gate, up, down, fmt, **kw)
+    x = x.to(dtype)
+    reset_kernel_stats()
+    out = fused_moe(x, w, ids, stack, backend="triton")
+    assert kernel_stats() == {"fused_moe/triton": 1}
+    ref = moe_reference(x, w, ids, stack)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, ref) < tol
+
+
+@needs_triton
+@pytest.mark.parametrize("case", EDGE_CASES, ids=list(EDGE_CASES))
+def test_triton_edge_cases(case):
+    kw = EDGE_CASES[case]
+    gate, up, down, x, w, ids = make_case(h=64, i=32, **kw)
+    stack = make_expert_stack(gate, up, down, "int4", group_size=32)
+    out = fused_moe(x, w, ids, stack, backend="triton")
+    ref = moe_reference(x, w, ids, stack)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "fmt,h,i,kw",
+    [("dense", 96, 48, {"dtype": torch.float32}), ("int4", 96, 64, {"group_size": 32, "symmetric": True})],
+    ids=["dense-ragged", "int4-sym"],
+)
+def test_triton_multi_block_experts(fmt, h, i, kw):
+    """40 tokens, E=8 k=2: experts get several padded row blocks; H and I not powers of two."""
+    gate, up, down, x, w, ids = make_case(e=8, h=h, i=i, t=40, k=2, seed=3)
+    ids[:20, 0] = 2  # one expert well past a block of rows
+    ids[:20, 1] = torch.where(ids[:20, 1] == 2, 5, ids[:20, 1])
+    stack = make_expert_stack(gate, up, down, fmt, **kw)
+    out = fused_moe(x, w, ids, stack, backend="triton")
+    ref = moe_reference(x, w, ids, stack)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
