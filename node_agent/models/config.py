@@ -1,4 +1,5 @@
-"""Architecture hyper-parameters of a Llama-family model, read from GGUF or HF config.json."""
+"""Architecture hyper-parameters of a Llama-family model (dense, or with mixture-of-experts MLPs),
+read from GGUF or HF config.json."""
 
 from __future__ import annotations
 
@@ -10,28 +11,74 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "glm4_moe": "glm4_moe",
 }
+# Families whose MLPs are (partly) mixtures of experts; loaded from Hugging Face directories only.
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+# GGUF `general.architecture` names of MoE families the GGUF loader refuses, with a readable name.
+GGUF_MOE_ARCHITECTURES = {"qwen3moe": "Qwen3-MoE", "glm4moe": "GLM-4.5/4.6 MoE"}
 
 
 # Per-layer weights of a dense Llama-family block (HF names, without "model.layers.N." and ".weight")
-LINEAR_NAMES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+ATTENTION_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+MLP_NAMES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # a dense MLP (not the MoE layers)
+LINEAR_NAMES = ATTENTION_NAMES + MLP_NAMES
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 
 
 class ModelLoadError(ValueError):
     """A model source is missing, malformed or of an unsupported architecture."""
+
+
+@dataclass
+class MoeConfig:
+    """The mixture-of-experts MLP of the sparse layers (the other layers keep a dense MLP).
+
+    router "softmax" (Qwen3-MoE): softmax over all experts, top-k, optionally renormalized.
+    router "sigmoid_grouped" (GLM-4.5): sigmoid scores; experts chosen on score + correction bias
+    within the ``topk_group`` best of ``n_group`` groups (a group's score: its best two experts);
+    the weights are the chosen experts' plain scores, optionally renormalized, times
+    ``routed_scaling_factor``; ``n_shared_experts`` always-on experts are added."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    sparse_layers: tuple[int, ...]
+    router: str = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
+    def __post_init__(self) -> None:
+        self.sparse_layers = tuple(int(i) for i in self.sparse_layers)
+        e, k = self.num_experts, self.top_k
+        if e < 1 or not 1 <= k <= e:
+            raise ModelLoadError(f"num_experts_per_tok ({k}) must be in [1, num_experts ({e})]")
+        if self.expert_intermediate_size < 1:
+            raise ModelLoadError(
+                f"moe_intermediate_size must be positive, got {self.expert_intermediate_size}"
+            )
+        if self.router not in ("softmax", "sigmoid_grouped"):
+            raise ModelLoadError(f"unknown MoE router {self.router!r}")
+        if self.router == "sigmoid_grouped":
+            g, tg = self.n_group, self.topk_group
+            if g < 1 or e % g or not 1 <= tg <= g:
+                raise ModelLoadError(
+                    f"n_group ({g}) must divide the experts ({e}) and topk_group ({tg}) be in [1, n_group]"
+                )
+            if e // g < 2 or k > tg * (e // g):
+                raise ModelLoadError(
+                    f"groups of {e // g} experts cannot give top-{k} from {tg} group(s) (each group needs >= 2)"
+                )
 
 
 @dataclass
@@ -56,6 +103,8 @@ class ModelConfig:
     rope_scaling: dict | None = field(default=None)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    rotary_dim: int | None = None  # leading dims of each head that RoPE rotates (None: all; GLM: half)
+    moe: MoeConfig | None = None  # the MoE layers' hyper-parameters (None: a dense model)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -63,6 +112,20 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if not (0 < self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+            raise ModelLoadError(
+                f"rotary dimension {self.rotary_dim} must be even and within head_dim ({self.head_dim})"
+            )
+        if isinstance(self.moe, dict):  # read back from a JSON cache entry
+            self.moe = MoeConfig(**self.moe)
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
+            raise ModelLoadError(f"MoE layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers
 
 
 def family_of(name: str) -> str:
@@ -74,13 +137,63 @@ def family_of(name: str) -> str:
     return fam
 
 
+def _moe_from_hf(fam: str, cfg: dict, num_layers: int) -> MoeConfig | None:
+    """The MoE hyper-parameters of a qwen3_moe / glm4_moe config.json (None for dense families)."""
+    if fam == "qwen3_moe":
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if experts == 0:  # transformers builds every layer dense then
+            return None
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ModelLoadError(f"decoder_sparse_step must be >= 1, got {step}")
+        return MoeConfig(
+            num_experts=experts,
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+            sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+            router="softmax",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
+    if fam == "glm4_moe":
+        first_dense = int(cfg.get("first_k_dense_replace", 1))
+        return MoeConfig(
+            num_experts=int(cfg.get("n_routed_experts") or cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+            sparse_layers=tuple(range(max(first_dense, 0), num_layers)),
+            router="sigmoid_grouped",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        )
+    return None
+
+
+def _rotary_dim(fam: str, cfg: dict, head_dim: int) -> int:
+    """RoPE's rotated dimension: ``partial_rotary_factor`` of the head (top level or in
+    rope_parameters; GLM-4.5's default is 0.5), the whole head otherwise."""
+    params = cfg.get("rope_parameters") or {}
+    factor = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor")
+    if factor is None:
+        factor = 0.5 if fam == "glm4_moe" else 1.0
+    return int(head_dim * float(factor))
+
+
 def config_from_hf(cfg: dict) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json dictionary."""
     archs = cfg.get("architectures") or [cfg.get("model_type", "")]
     fam = family_of(archs[0])
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"hidden_act {act!r} is not supported (the MLPs are SwiGLU: silu)")
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        num_layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
@@ -92,21 +205,23 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=fam == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=fam == "qwen3",
+            qk_norm=fam in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
             sliding_window=cfg.get("sliding_window")
             if cfg.get("use_sliding_window", fam == "mistral")
             else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rotary_dim=_rotary_dim(fam, cfg, head_dim),
+            moe=_moe_from_hf(fam, cfg, num_layers),
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json is missing required field {exc.args[0]!r}") from exc

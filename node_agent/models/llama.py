@@ -1,37 +1,27 @@
-"""Dense Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2 with qkv bias, Qwen3 with q/k norm)
-over a paged KV cache. Linear layers hold one weight format per phase."""
+"""Llama-family decoder over a paged KV cache: Llama, Mistral, SmolLM2, Qwen2 (qkv bias), Qwen3
+(q/k norm), and the MoE families Qwen3-MoE and GLM-4.5/4.6 (partial RoPE, attention bias, optional
+q/k norm, shared experts), whose sparse layers hold a MoeMLP. Linear layers and expert stacks hold
+one weight format per phase."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.kernels.linear import LinearWeight, make_linear_weight
+from pagoda.kernels.linear import make_linear_weight
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
-
-PHASES = ("prefill", "decode")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def prequantized_format(w: object) -> str | None:
-    """'int4' / 'fp8' for a prequantized weight (a `pagoda quantize` checkpoint), None for a tensor."""
-    return "int4" if isinstance(w, Int4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantized_format: re-exported)
+    PHASES,
+    DenseMLP,
+    PhaseLinear,
+    RMSNorm,
+    prequantized_format,
+)
+from pagoda.node_agent.models.moe import MoeMLP
 
 
 def _to_device(v, device: torch.device):
@@ -43,44 +33,10 @@ def _to_device(v, device: torch.device):
     return v.to(device)
 
 
-class PhaseLinear:
-    """A linear layer holding a weight per phase (shared when both phases use the same format)."""
-
-    def __init__(
-        self,
-        weight: torch.Tensor | Int4Weight | Fp8Weight,
-        bias: torch.Tensor | None,
-        formats: dict[str, str],
-        dtype: torch.dtype,
-        backend: str | None = None,
-        group_size: int | None = None,
-    ) -> None:
-        self.by_phase: dict[str, LinearWeight] = {}
-        made: dict[str, LinearWeight] = {}
-        stored = prequantized_format(weight)
-        dense = weight  # a prequantized weight serves its own format as is, others dequantized
-        if stored is not None and any(f != stored for f in formats.values()):
-            dense = weight.dequantize()  # before the packed object is used (the CPU path repacks it)
-        for phase in PHASES:
-            fmt = formats[phase]
-            if fmt not in made:
-                src = weight if fmt == stored else dense
-                made[fmt] = make_linear_weight(
-                    src, fmt, dtype, bias=bias, backend=backend, group_size=group_size
-                )
-            self.by_phase[phase] = made[fmt]
-        self.out_features = weight.shape[0] if stored is None else weight.out_features
-
-    def __call__(self, x: torch.Tensor, phase: str) -> torch.Tensor:
-        return self.by_phase[phase].apply(x)
-
-    def unique_weights(self) -> list[LinearWeight]:
-        seen: dict[int, LinearWeight] = {id(w): w for w in self.by_phase.values()}
-        return list(seen.values())
-
-
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    """cos/sin [max_len, rotary_dim] (the rotated part of a head: all of it unless partial RoPE)."""
+    dim = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     t = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -88,7 +44,11 @@ def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on [T, H, D] with per-token cos/sin [T, D]."""
+    """Rotate-half RoPE on [T, H, D] with per-token cos/sin [T, R]: the first R dims of each head
+    rotate (as pairs i, i + R/2), the rest pass through (partial RoPE)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos[:, None, :] + rot.float() * sin[:, None, :]).to(x.dtype)
@@ -120,11 +80,13 @@ class DecoderLayer:
             lin("self_attn.v_proj"),
         )
         self.o_proj = lin("self_attn.o_proj")
-        self.gate_proj, self.up_proj, self.down_proj = (
-            lin("mlp.gate_proj"),
-            lin("mlp.up_proj"),
-            lin("mlp.down_proj"),
-        )
+        self.mlp: DenseMLP | MoeMLP
+        self.gate_proj = self.up_proj = self.down_proj = None  # a dense MLP's layers, by name
+        if cfg.is_sparse(idx):
+            self.mlp = MoeMLP(cfg.moe, cfg.hidden_size, p + "mlp.", w, formats, dtype, backend, group_size)
+        else:
+            self.mlp = DenseMLP(p + "mlp", w, formats, dtype, backend, group_size)
+            self.gate_proj, self.up_proj, self.down_proj = self.mlp.linears()
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
         self.q_norm = self.k_norm = None
@@ -133,15 +95,8 @@ class DecoderLayer:
             self.k_norm = RMSNorm(w[p + "self_attn.k_norm.weight"].to(dtype), cfg.rms_norm_eps)
 
     def linears(self) -> list[PhaseLinear]:
-        return [
-            self.q_proj,
-            self.k_proj,
-            self.v_proj,
-            self.o_proj,
-            self.gate_proj,
-            self.up_proj,
-            self.down_proj,
-        ]
+        """Attention, dense-MLP and shared-expert linear layers (not the routed experts)."""
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj, *self.mlp.linears()]
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: str):
         cfg = self.cfg
@@ -189,8 +144,7 @@ class DecoderLayer:
                 backend=b.kernel_backend,
             )
         x = x + self.o_proj(o.reshape(x.shape[0], -1), phase)
-        h = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h, phase)) * self.up_proj(h, phase), phase)
+        return x + self.mlp(self.post_norm(x), phase)
 
 
 class LlamaForCausalLM:
@@ -241,14 +195,20 @@ class LlamaForCausalLM:
         self.hidden(b)
 
     def weight_bytes(self) -> dict[str, int]:
-        """Resident bytes: linear layers of the blocks (all held formats) and the whole model."""
+        """Resident bytes (all held formats): ``linear`` the blocks' linear layers (attention, dense
+        MLPs, shared experts), ``experts`` the routed experts (0 for a dense model), ``total`` the
+        whole model (embeddings, norms, routers and head included)."""
         linear = sum(
             w.nbytes for layer in self.layers for lin in layer.linears() for w in lin.unique_weights()
         )
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeMLP)]
+        experts = sum(m.expert_bytes() for m in moes)
         other = self.embed.numel() * self.embed.element_size() + self.lm_head.nbytes
+        other += sum(m.router_bytes() for m in moes)
         other += sum(
             n.weight.numel() * n.weight.element_size()
             for layer in self.layers
-            for n in (layer.input_norm, layer.post_norm)
+            for n in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+            if n is not None
         )
-        return {"linear": linear, "total": linear + other}
+        return {"linear": linear, "experts": experts, "total": linear + experts + other}

@@ -20,13 +20,17 @@ import torch
 
 from pagoda.node_agent.models.cache import read_cache, write_cache
 from pagoda.node_agent.models.config import (
-    LINEAR_NAMES,
+    ATTENTION_NAMES,
+    GGUF_MOE_ARCHITECTURES,
+    MLP_NAMES,
+    MOE_FAMILIES,
     NORM_NAMES,
     ModelConfig,
     ModelLoadError,
     config_from_hf,
     family_of,
 )
+from pagoda.node_agent.models.moe import expert_weight_names
 from pagoda.node_agent.models.quant_format import MANIFEST, assemble_quantized
 
 log = logging.getLogger("pagoda.loader")
@@ -145,6 +149,12 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
     arch = _field(reader, "general.architecture")
     if arch is None:
         raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+    moe_name = GGUF_MOE_ARCHITECTURES.get(str(arch))
+    if moe_name is not None or _is_moe_family(str(arch)):
+        raise ModelLoadError(
+            f"{path}: GGUF models of architecture {arch!r} ({moe_name or arch}, mixture of experts) are not "
+            "supported; serve its Hugging Face directory (hf-dir://) instead"
+        )
     fam = family_of(str(arch))
 
     def meta(key: str, default=None):
@@ -256,11 +266,33 @@ def _load_hf_dir(source: str, path: Path) -> LoadedModel:
     return LoadedModel(source, cfg, weights, str(path), None, manifest)
 
 
-def _check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+def _is_moe_family(arch: str) -> bool:
+    """Whether a GGUF architecture name maps to one of the MoE families (HF directories only)."""
+    try:
+        return family_of(arch) in MOE_FAMILIES
+    except ModelLoadError:
+        return False
+
+
+def required_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> list[str]:
+    """Every weight name the model needs (MoE layers: router, experts in per-expert or fused form,
+    shared experts; an absent e_score_correction_bias counts as zeros)."""
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        need += [p + n + ".weight" for n in LINEAR_NAMES + NORM_NAMES]
+        need += [p + n + ".weight" for n in ATTENTION_NAMES + NORM_NAMES]
+        if not cfg.is_sparse(i):
+            need += [p + n + ".weight" for n in MLP_NAMES]
+            continue
+        need.append(p + "mlp.gate.weight")
+        need += expert_weight_names(p + "mlp.", cfg.moe.num_experts, weights)
+        if cfg.moe.n_shared_experts:
+            need += [f"{p}mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+    return need
+
+
+def _check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+    need = required_weights(cfg, weights)
     missing = [n for n in need if n not in weights]
     if missing:
         raise ModelLoadError(f"{where}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")

@@ -1,0 +1,181 @@
+"""Mixture-of-experts MLP: a router scoring every expert in float32 and choosing top-k per token,
+the routed experts computed grouped by expert (kernels.moe.fused_moe) from one ExpertStack per phase
+weight format, plus optional always-on shared experts (ordinary PhaseLinears)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.int4 import pick_group_size
+from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack
+from pagoda.node_agent.models.config import ModelLoadError, MoeConfig
+from pagoda.node_agent.models.layers import PHASES, DenseMLP, PhaseLinear
+
+# The engine's weight format names -> the expert stack's format (dense ones keep their dtype).
+_STACK_FORMATS = {"bf16": "dense", "fp32": "dense", "fp8": "fp8", "int4": "int4"}
+
+
+def route_softmax(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: softmax over the experts, the k most probable, optionally renormalized.
+    Returns (weights [T, k] float32, ids [T, k] int64)."""
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_grouped_sigmoid(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    k: int,
+    n_group: int,
+    topk_group: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5 / DeepSeek-V3 routing: sigmoid scores; the bias-corrected scores choose the experts,
+    only within the ``topk_group`` groups whose best two corrected scores sum highest; the weights
+    are the uncorrected scores of the chosen experts, optionally renormalized, times ``scaling``."""
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    t, e = choice.shape
+    if n_group > 1:
+        per = e // n_group
+        group_scores = choice.view(t, n_group, per).topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(per, dim=1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def expert_weights(
+    w: dict[str, torch.Tensor], prefix: str, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) of ``<prefix>experts``: per-expert tensors
+    ``experts.{e}.gate_proj.weight`` (released checkpoints, transformers' save_pretrained) or the
+    fused ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]``."""
+    fused = prefix + "experts.gate_up_proj"
+    if fused in w:
+        gate_up, down = w[fused], w[prefix + "experts.down_proj"]
+        if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+            raise ModelLoadError(f"{fused}: expected [E, 2I, H], got {tuple(gate_up.shape)}")
+        half = gate_up.shape[1] // 2
+        return gate_up[:, :half], gate_up[:, half:], down
+    names = ("gate_proj", "up_proj", "down_proj")
+    gate, up, down = (
+        torch.stack([w[f"{prefix}experts.{e}.{n}.weight"] for e in range(num_experts)]) for n in names
+    )
+    return gate, up, down
+
+
+def expert_weight_names(prefix: str, num_experts: int, w: dict[str, torch.Tensor]) -> list[str]:
+    """The names the experts of ``prefix`` need in ``w`` (fused form when present)."""
+    if prefix + "experts.gate_up_proj" in w:
+        return [prefix + "experts.gate_up_proj", prefix + "experts.down_proj"]
+    return [
+        f"{prefix}experts.{e}.{n}.weight"
+        for e in range(num_experts)
+        for n in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+class MoeMLP:
+    """One sparse layer's MLP (``prefix`` is ``model.layers.N.mlp.``)."""
+
+    def __init__(
+        self,
+        cfg: MoeConfig,
+        hidden_size: int,
+        prefix: str,
+        w: dict[str, torch.Tensor],
+        formats: dict[str, str],
+        dtype: torch.dtype,
+        backend: str | None,
+        group_size: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.router = w[prefix + "gate.weight"].float().contiguous()  # [E, H], dense float32
+        if tuple(self.router.shape) != (cfg.num_experts, hidden_size):
+            raise ModelLoadError(
+                f"{prefix}gate.weight: expected {(cfg.num_experts, hidden_size)}, got {tuple(self.router.shape)}"
+            )
+        bias = w.get(prefix + "gate.e_score_correction_bias")
+        self.correction_bias = (
+            torch.zeros(cfg.num_experts, device=self.router.device) if bias is None else bias.float()
+        )
+        gate, up, down = expert_weights(w, prefix, cfg.num_experts)
+        e, i, h = gate.shape
+        if (e, i, h) != (cfg.num_experts, cfg.expert_intermediate_size, hidden_size) or tuple(down.shape) != (
+            e,
+            h,
+            i,
+        ):
+            raise ModelLoadError(
+                f"{prefix}experts: shapes gate {tuple(gate.shape)} / down {tuple(down.shape)} do not match "
+                f"num_experts={cfg.num_experts}, moe_intermediate_size={cfg.expert_intermediate_size}, "
+                f"hidden_size={hidden_size}"
+            )
+        self.stacks: dict[str, ExpertStack] = {}
+        made: dict[tuple[str, torch.dtype], ExpertStack] = {}
+        for phase in PHASES:
+            fmt = formats[phase]
+            stack_fmt = _STACK_FORMATS.get(fmt)
+            if stack_fmt is None:
+                raise ValueError(f"unknown weight format {fmt!r} for the experts")
+            stack_dtype = torch.float32 if fmt == "fp32" else dtype
+            key = (stack_fmt, stack_dtype)
+            if key not in made:
+                g = pick_group_size(math.gcd(h, i), group_size or 128) if stack_fmt == "int4" else None
+                made[key] = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
+            self.stacks[phase] = made[key]
+        self.shared = (
+            DenseMLP(prefix + "shared_experts", w, formats, dtype, backend, group_size)
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) for hidden states h [T, H]."""
+        c = self.cfg
+        logits = F.linear(h.float(), self.router)
+        if c.router == "softmax":
+            return route_softmax(logits, c.top_k, c.norm_topk_prob)
+        return route_grouped_sigmoid(
+            logits,
+            self.correction_bias,
+            c.top_k,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
+
+    def __call__(self, h: torch.Tensor, phase: str) -> torch.Tensor:
+        weights, ids = self.route(h)
+        out = fused_moe(h, weights, ids, self.stacks[phase], backend=self.backend)
+        if self.shared is not None:
+            out = out + self.shared(h, phase)
+        return out
+
+    def linears(self) -> list[PhaseLinear]:
+        """The shared experts' linear layers (the routed experts are expert stacks)."""
+        return [] if self.shared is None else self.shared.linears()
+
+    def unique_stacks(self) -> list[ExpertStack]:
+        return list({id(s): s for s in self.stacks.values()}.values())
+
+    def expert_bytes(self) -> int:
+        """Resident bytes of the routed experts (every held format)."""
+        return sum(s.nbytes() for s in self.unique_stacks())
+
+    def router_bytes(self) -> int:
+        return self.router.nbytes + self.correction_bias.nbytes
