@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .dispatch import resolve
+from .dispatch import record, select_backend
 from .fp8 import _fp8_linear_dequant_rows, fp8_linear_scaled_mm
 from .fp8_format import FP8_DTYPE, dequantize_fp8, quantize_fp8_weight
 from .int4 import (
@@ -299,9 +299,13 @@ def fused_moe(
     Raises ValueError on bad shapes, dtypes or expert ids (checked before any compute).
     """
     _check_inputs(x, topk_weights, topk_ids, experts)
-    # FP8 experts have no Triton kernel yet: a triton request runs (and is counted as) cpu.
-    supports = ("cpu", "reference") if experts.fmt == "fp8" else ("triton", "cpu", "reference")
-    be = resolve("fused_moe", x.device, backend, supports)
+    be = select_backend(x.device, backend)
+    if be == "triton":
+        from .triton_moe import triton_supports
+
+        if not triton_supports(experts, x.device):
+            be = "cpu"  # e.g. FP8 experts on a GPU without FP8 (sm89+): counted as what runs
+    record("fused_moe", be)
     if x.shape[0] == 0 or topk_ids.shape[1] == 0:
         return torch.zeros_like(x)
     if be == "reference":

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .dispatch import triton_interpreting
 from .triton_common import dot_in_input_dtype
 
 
@@ -39,14 +40,18 @@ def _tile_dot(
     K,
     stride_wn,
     stride_sn,
-    IS_INT4: tl.constexpr,
+    FMT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_IN_INPUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """acc += x[rows, k0:k0+BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K].T in float32."""
-    if IS_INT4:
+    """acc += x[rows, k0:k0+BLOCK_K] @ W[offs_n, k0:k0+BLOCK_K].T in float32.
+
+    FMT 0: dense weights; 1: INT4 (dequantized here); 2: FP8 bytes (decoded here, the
+    per-channel scale is left to the caller's epilogue).
+    """
+    if FMT == 1:
         offs_j = tl.arange(0, BLOCK_K // 2)
         group = k0 // GROUP
         scale = tl.load(s_ptr + offs_n * stride_sn + group, mask=n_mask, other=0.0).to(tl.float32)
@@ -75,8 +80,10 @@ def _tile_dot(
         wt = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
             mask=n_mask[:, None] & k_mask[None, :],
-            other=0.0,
+            other=0,
         )
+        if FMT == 2:
+            wt = wt.to(tl.float8e4nv, bitcast=True)
         if DOT_IN_INPUT:
             acc += tl.dot(xt, tl.trans(wt.to(xt.dtype)))
         else:
@@ -101,7 +108,7 @@ def _gate_up_kernel(
     stride_se,
     stride_sn,
     stride_am,
-    IS_INT4: tl.constexpr,
+    FMT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_IN_INPUT: tl.constexpr,
@@ -126,12 +133,15 @@ def _gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         gate = _tile_dot(
             gate, x_rows, m_mask, w_e, s_e, z_e, offs_n, n_mask, k0, H, stride_wn, stride_sn,
-            IS_INT4, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
+            FMT, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
         )  # fmt: skip
         up = _tile_dot(
             up, x_rows, m_mask, w_e, s_e, z_e, inter + offs_n, n_mask, k0, H, stride_wn, stride_sn,
-            IS_INT4, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
+            FMT, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
         )  # fmt: skip
+    if FMT == 2:
+        gate *= tl.load(s_e + offs_n, mask=n_mask, other=0.0)[None, :]
+        up *= tl.load(s_e + inter + offs_n, mask=n_mask, other=0.0)[None, :]
     act = gate / (1.0 + tl.exp(-gate)) * up
     out = act_ptr + offs_m[:, None] * stride_am + offs_n[None, :]
     tl.store(out, act.to(act_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -155,7 +165,7 @@ def _down_kernel(
     stride_se,
     stride_sn,
     stride_ym,
-    IS_INT4: tl.constexpr,
+    FMT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_IN_INPUT: tl.constexpr,
@@ -179,8 +189,10 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         acc = _tile_dot(
             acc, a_rows, m_mask, w_e, s_e, z_e, offs_n, n_mask, k0, inter, stride_wn, stride_sn,
-            IS_INT4, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
+            FMT, HAS_ZEROS, GROUP, DOT_IN_INPUT, BLOCK_K,
         )  # fmt: skip
+    if FMT == 2:
+        acc *= tl.load(s_e + offs_n, mask=n_mask, other=0.0)[None, :]
     safe_slot = tl.where(m_mask, slot, 0)
     rw = tl.load(route_w_ptr + safe_slot, mask=m_mask, other=0.0)
     out = y_ptr + safe_slot[:, None] * stride_ym + offs_n[None, :]
@@ -224,16 +236,46 @@ def padded_routing(topk_ids: Tensor, num_experts: int, block_m: int) -> tuple[Te
     return row_slot, row_token, block_expert
 
 
+_FMT_CODES = {"dense": 0, "int4": 1, "fp8": 2}
+
+
+def _weight_args(experts, proj: str) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """(weight, scales, zeros, scale stride per expert, scale stride per row) for one projection.
+
+    Unused pointers are filled with the weight itself (never read: the format is a constexpr).
+    """
+    w = experts.gate_up if proj == "gate_up" else experts.down
+    s = experts.gate_up_scales if proj == "gate_up" else experts.down_scales
+    z = experts.gate_up_zeros if proj == "gate_up" else experts.down_zeros
+    if experts.fmt == "dense":
+        return w, w, w, 0, 0
+    if experts.fmt == "fp8":
+        s = s.float().contiguous()
+        return w.view(torch.uint8), s, s, s.stride(0), 1
+    return w, s, s if z is None else z, s.stride(0), s.stride(1)
+
+
+def triton_supports(experts, device: torch.device) -> bool:
+    """Whether the Triton kernels take these experts on ``device`` (FP8 needs sm89+ on a GPU)."""
+    if experts.fmt == "int4":
+        return experts.group_size % 32 == 0 and experts.group_size <= 256
+    if experts.fmt == "fp8" and device.type == "cuda" and not triton_interpreting():
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return experts.fmt in _FMT_CODES
+
+
 def triton_fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts) -> Tensor:
-    """The fused MoE on Triton for dense and INT4 :class:`~pagoda.kernels.moe.ExpertStack` s."""
+    """The fused MoE on Triton for a :class:`~pagoda.kernels.moe.ExpertStack` (see the module doc).
+
+    FP8 experts are weight-only here: activations stay in their dtype, the e4m3 weight bytes are
+    decoded in the kernel and the per-channel scale applied in the epilogue.
+    """
+    if not triton_supports(experts, x.device):
+        raise ValueError(f"the Triton MoE kernel does not take these {experts.fmt} experts")
     t, k = topk_ids.shape
     h, i = experts.hidden, experts.intermediate
-    is_int4 = experts.fmt == "int4"
-    if experts.fmt not in ("dense", "int4"):
-        raise ValueError(f"no Triton MoE kernel for {experts.fmt} experts")
-    group = experts.group_size if is_int4 else 0
-    if is_int4 and (group % 32 or group > 256):
-        raise ValueError(f"group size {group} unsupported by the Triton MoE kernel (needs 32..256)")
+    fmt = _FMT_CODES[experts.fmt]
+    group = experts.group_size if fmt == 1 else 0
     x = x.contiguous()
     block_m = _block_m(t * k / experts.num_experts)
     row_slot, row_token, block_expert = padded_routing(topk_ids, experts.num_experts, block_m)
@@ -243,31 +285,22 @@ def triton_fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts)
     y = torch.zeros(t * k, h, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).float().contiguous()
     dot_in = dot_in_input_dtype(x)
-    gu, dw = experts.gate_up, experts.down
-    if is_int4:
-        gu_s, dw_s = experts.gate_up_scales, experts.down_scales
-        has_zeros = experts.gate_up_zeros is not None
-        gu_z = experts.gate_up_zeros if has_zeros else gu_s
-        dw_z = experts.down_zeros if has_zeros else dw_s
-        gu_ss, dw_ss = (gu_s.stride(0), gu_s.stride(1)), (dw_s.stride(0), dw_s.stride(1))
-    else:
-        gu_s = gu_z = gu
-        dw_s = dw_z = dw
-        has_zeros = False
-        gu_ss = dw_ss = (0, 0)
+    has_zeros = fmt == 1 and experts.gate_up_zeros is not None
+    gu, gu_s, gu_z, gu_se, gu_sn = _weight_args(experts, "gate_up")
+    dw, dw_s, dw_z, dw_se, dw_sn = _weight_args(experts, "down")
     n_blocks = mpad // block_m
     bn1 = min(64, max(16, triton.next_power_of_2(i)))
     _gate_up_kernel[(n_blocks, triton.cdiv(i, bn1))](
         x, row_token, block_expert, gu, gu_s, gu_z, act,
-        h, i, x.stride(0), gu.stride(0), gu.stride(1), gu_ss[0], gu_ss[1], act.stride(0),
-        IS_INT4=is_int4, HAS_ZEROS=has_zeros, GROUP=group, DOT_IN_INPUT=dot_in,
-        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=_block_k(h, group, is_int4),
+        h, i, x.stride(0), gu.stride(0), gu.stride(1), gu_se, gu_sn, act.stride(0),
+        FMT=fmt, HAS_ZEROS=has_zeros, GROUP=group, DOT_IN_INPUT=dot_in,
+        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=_block_k(h, group, fmt == 1),
     )  # fmt: skip
     bn2 = min(64, max(16, triton.next_power_of_2(h)))
     _down_kernel[(n_blocks, triton.cdiv(h, bn2))](
         act, row_slot, block_expert, dw, dw_s, dw_z, route_w, y,
-        h, i, act.stride(0), dw.stride(0), dw.stride(1), dw_ss[0], dw_ss[1], y.stride(0),
-        IS_INT4=is_int4, HAS_ZEROS=has_zeros, GROUP=group, DOT_IN_INPUT=dot_in and act_dtype != torch.float32,
-        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=_block_k(i, group, is_int4),
+        h, i, act.stride(0), dw.stride(0), dw.stride(1), dw_se, dw_sn, y.stride(0),
+        FMT=fmt, HAS_ZEROS=has_zeros, GROUP=group, DOT_IN_INPUT=dot_in,
+        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=_block_k(i, group, fmt == 1),
     )  # fmt: skip
     return y.view(t, k, h).sum(dim=1).to(x.dtype)
