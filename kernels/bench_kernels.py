@@ -1,4 +1,5 @@
-"""Kernel micro-benchmarks (``pagoda bench kernels``): INT4/FP8 vs dense GEMM, FP8 vs BF16 KV.
+"""Kernel micro-benchmarks (``pagoda bench kernels``): INT4/FP8 vs dense GEMM, FP8 vs BF16 KV, and
+the fused MoE per expert format.
 
 Also home to :func:`kv_scale_granularity_report`, the measurement behind the FP8 KV scale choice.
 """
@@ -18,6 +19,7 @@ from .dispatch import select_backend
 from .fp8 import Fp8Weight
 from .fp8_format import FP8_DTYPE, FP8_MAX, amax_scale, quantize_fp8
 from .int4 import pick_group_size, quantize_int4
+from .moe import fused_moe, make_expert_stack
 from .paged_attention import calibrate_kv_scales, paged_decode_attention, write_kv
 
 # SmolLM2-135M projection shapes (N, K): MLP up/gate and down.
@@ -120,6 +122,47 @@ def bench_decode_attention(
     return rows
 
 
+# A Qwen3-MoE-like layer scaled down (E experts of H -> I, top-k routing).
+DEFAULT_MOE = {"experts": 64, "hidden": 1024, "intermediate": 512, "top_k": 8}
+
+
+def bench_moe(
+    device: torch.device,
+    experts: int = DEFAULT_MOE["experts"],
+    hidden: int = DEFAULT_MOE["hidden"],
+    intermediate: int = DEFAULT_MOE["intermediate"],
+    top_k: int = DEFAULT_MOE["top_k"],
+    tokens: tuple[int, ...] = (1, 16, 128),
+    repeat: int = 10,
+) -> list[dict]:
+    """``fused_moe`` with dense / INT4 / FP8 experts per token count; times in microseconds."""
+    dtype = compute_dtype(device)
+    gen = torch.Generator().manual_seed(2)
+    e, h, i = experts, hidden, intermediate
+    gate, up = (torch.randn(e, i, h, generator=gen) / h**0.5 for _ in range(2))
+    down = torch.randn(e, h, i, generator=gen) / i**0.5
+    stacks = {}
+    for fmt in ("dense", "int4", "fp8"):
+        st = make_expert_stack(gate, up, down, fmt, dtype=dtype)
+        for name in ("gate_up", "down", "gate_up_scales", "gate_up_zeros", "down_scales", "down_zeros"):
+            t = getattr(st, name)
+            if t is not None:
+                setattr(st, name, t.to(device))
+        stacks[fmt] = st
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, generator=gen).to(device=device, dtype=dtype)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(t)]).to(device)
+        w = torch.full((t, top_k), 1.0 / top_k, device=device)
+        row: dict = {"tokens": t, **{k: v for k, v in zip(DEFAULT_MOE, (e, h, i, top_k), strict=True)}}
+        row["dtype"] = str(dtype).removeprefix("torch.")
+        for fmt, st in stacks.items():
+            row[f"{fmt}_us"] = _time(partial(fused_moe, x, w, ids, st), device, repeat)
+            row[f"{fmt}_bytes"] = st.nbytes()
+        rows.append(row)
+    return rows
+
+
 def run_kernel_bench(device: torch.device | str, quick: bool = False, threads: int | None = None) -> dict:
     """All kernel benchmarks on ``device``; ``quick`` shrinks shapes for smoke tests.
 
@@ -140,15 +183,18 @@ def _run(device: torch.device, quick: bool) -> dict:
     if quick:
         gemms = bench_gemms(device, shapes=((64, 128),), batch_sizes=(1, 8), repeat=2)
         attn = bench_decode_attention(device, batch_sizes=(2,), context=40, repeat=2)
+        moe = bench_moe(device, experts=4, hidden=64, intermediate=32, top_k=2, tokens=(3,), repeat=2)
     else:
         gemms = bench_gemms(device)
         attn = bench_decode_attention(device)
+        moe = bench_moe(device)
     return {
         "device": str(device),
         "backend": select_backend(device),
         "threads": torch.get_num_threads(),
         "gemm": gemms,
         "decode_attention": attn,
+        "moe": moe,
     }
 
 

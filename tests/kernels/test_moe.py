@@ -205,3 +205,15 @@ def test_triton_multi_block_experts(fmt, h, i, kw):
     out = fused_moe(x, w, ids, stack, backend="triton")
     ref = moe_reference(x, w, ids, stack)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_moe_rows():
+    from pagoda.kernels.bench_kernels import bench_moe
+
+    rows = bench_moe(
+        torch.device("cpu"), experts=4, hidden=64, intermediate=32, top_k=2, tokens=(1, 3), repeat=1
+    )
+    assert [r["tokens"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["dense_us"] > 0 and r["int4_us"] > 0 and r["fp8_us"] > 0
+        assert r["int4_bytes"] < r["dense_bytes"] and r["fp8_bytes"] < r["dense_bytes"]
