@@ -22,7 +22,7 @@ import torch
 
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight, pick_group_size, quantize_int4
-from pagoda.node_agent.models.config import LINEAR_NAMES
+from pagoda.node_agent.models.config import LINEAR_NAMES, ModelConfig, config_from_hf
 from pagoda.node_agent.models.loader import LoadedModel, load_model, resolve_source
 from pagoda.node_agent.models.quant_format import MANIFEST, meta_of, state_of
 from pagoda.node_agent.models.tokenizer import Tokenizer
@@ -100,7 +100,10 @@ def quantize_checkpoint(
     if weights == "int4":
         pick_group_size(128, group_size)  # validates the value before any work
     out = Path(out_dir)
+    if loaded is None:
+        _refuse_moe(source, _source_config(source))  # before reading any weights
     loaded = loaded or load_model(source)
+    _refuse_moe(source, loaded.config)
     if loaded.manifest is not None:
         raise ValueError(f"{source} is already a quantized checkpoint; quantize the original weights")
     cfg = loaded.config
@@ -147,6 +150,28 @@ def quantize_checkpoint(
         quant_bytes,
         total,
     )
+
+
+def _source_config(source: str) -> ModelConfig | None:
+    """The architecture of an HF-directory source from its config.json alone (None otherwise)."""
+    kind, path = resolve_source(source)
+    cfg_file = path / "config.json"
+    if kind != "hf-dir" or not cfg_file.exists():
+        return None  # load_model reports what is wrong with it
+    try:
+        return config_from_hf(json.loads(cfg_file.read_text()))
+    except json.JSONDecodeError:
+        return None
+
+
+def _refuse_moe(source: str, cfg: ModelConfig | None) -> None:
+    """`pagoda quantize` packs the dense blocks' linear weights only: MoE models are refused."""
+    if cfg is not None and cfg.moe is not None:
+        raise ValueError(
+            f"{source}: pagoda quantize does not support mixture-of-experts models ({cfg.arch}); serve "
+            "the original checkpoint, the engine quantizes the experts when it loads them "
+            "(--decode-weights int4 / fp8)"
+        )
 
 
 def _write_config_and_tokenizer(kind: str, path: Path, out: Path, tokenizer: Tokenizer | None) -> None:
