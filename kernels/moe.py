@@ -28,6 +28,7 @@ from .dispatch import record, select_backend
 from .fp8 import _fp8_linear_dequant_rows, fp8_linear_scaled_mm
 from .fp8_format import FP8_DTYPE, dequantize_fp8, quantize_fp8_weight
 from .int4 import (
+    CPU_COMPUTE_DTYPE,
     SUPPORTED_GROUPS,
     Int4Weight,
     cpu_int4_mm,
@@ -51,6 +52,7 @@ class ExpertStack:
     num_experts: int
     hidden: int  # H
     intermediate: int  # I (per expert)
+    # gate_up/down (and the INT4 scales/zeros) are None only after prepare(keep_canonical=False).
     gate_up: Tensor  # dense [E, 2I, H] | int4 uint8 [E, 2I, H//2] | fp8 [E, 2I, H]
     down: Tensor  # dense [E, H, I] | int4 uint8 [E, H, I//2] | fp8 [E, H, I]
     gate_up_scales: Tensor | None = None
@@ -60,6 +62,9 @@ class ExpertStack:
     group_size: int = 0
     # Per-expert views built lazily by the CPU path (int4: Int4Weight with its int4pack layout).
     _cpu: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
+    # False once prepare("cpu", keep_canonical=False) dropped the stacked tensors.
+    canonical: bool = field(default=True, init=False)
+    _symmetric: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -88,11 +93,12 @@ class ExpertStack:
             _check_shape("down_scales", self.down_scales, (e, h))
         elif not self.gate_up.is_floating_point() or self.gate_up.dtype != self.down.dtype:
             raise ValueError("dense experts must share one floating-point dtype")
+        self._symmetric = self.gate_up_zeros is None
 
     @property
     def symmetric(self) -> bool:
         """INT4 without zero points (8 is the implicit zero)."""
-        return self.gate_up_zeros is None
+        return self._symmetric
 
     def tensors(self) -> list[Tensor]:
         """Every canonical tensor held (None fields left out)."""
@@ -104,8 +110,31 @@ class ExpertStack:
         total = sum(t.nbytes for t in self.tensors())
         for v in self._cpu.values():
             if isinstance(v, Int4Weight):
-                total += sum(p.nbytes + sz.nbytes for p, sz in v._cpu.values())
+                # Canonical per-expert tensors are views of the stacks, unless those were dropped.
+                total += (
+                    v.nbytes if not self.canonical else sum(p.nbytes + sz.nbytes for p, sz in v._cpu.values())
+                )
         return total
+
+    def prepare(self, backend: str, keep_canonical: bool = True) -> None:
+        """Build every expert's layout for ``backend`` now instead of on first use.
+
+        Only INT4 on a CPU has one (torch's int4pack per expert, bf16 scales). With
+        ``keep_canonical=False`` the stacked INT4 tensors are dropped so only those layouts stay
+        resident (as the dense INT4 linear layer does); the stack then runs the ``cpu`` path for a
+        ``triton`` request, and the reference dequantizes from the layouts (scales rounded to bf16).
+        """
+        if backend != "cpu" or self.fmt != "int4" or not self.canonical:
+            return
+        if self.gate_up.device.type != "cpu" or self.group_size not in SUPPORTED_GROUPS:
+            return
+        for proj in ("gate_up", "down"):
+            for e in range(self.num_experts):
+                self.int4_weight(proj, e).prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=keep_canonical)
+        if not keep_canonical:
+            self.gate_up = self.down = None  # type: ignore[assignment]
+            self.gate_up_scales = self.gate_up_zeros = self.down_scales = self.down_zeros = None
+            self.canonical = False
 
     def dequantize(self, expert: int) -> tuple[Tensor, Tensor]:
         """Expert ``expert``'s (gate_up [2I, H], down [H, I]) as float32 (the reference's weights)."""
@@ -123,6 +152,8 @@ class ExpertStack:
         key = (proj, expert)
         w = self._cpu.get(key)
         if w is None:
+            if not self.canonical:
+                raise RuntimeError("the stacked INT4 tensors were dropped before this expert was prepared")
             if proj == "gate_up":
                 n, k = 2 * self.intermediate, self.hidden
                 t = (self.gate_up, self.gate_up_scales, self.gate_up_zeros)

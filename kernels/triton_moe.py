@@ -256,7 +256,13 @@ def _weight_args(experts, proj: str) -> tuple[Tensor, Tensor, Tensor, int, int]:
 
 
 def triton_supports(experts, device: torch.device) -> bool:
-    """Whether the Triton kernels take these experts on ``device`` (FP8 needs sm89+ on a GPU)."""
+    """Whether the Triton kernels take these experts on ``device``.
+
+    Not: INT4 groups outside 32..256, FP8 on a GPU below sm89, stacks whose canonical tensors were
+    dropped by ``prepare``.
+    """
+    if not experts.canonical:
+        return False
     if experts.fmt == "int4":
         return experts.group_size % 32 == 0 and experts.group_size <= 256
     if experts.fmt == "fp8" and device.type == "cuda" and not triton_interpreting():

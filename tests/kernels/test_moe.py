@@ -222,3 +222,19 @@ def test_bench_moe_rows():
     for r in rows:
         assert r["dense_us"] > 0 and r["int4_us"] > 0 and r["fp8_us"] > 0
         assert r["int4_bytes"] < r["dense_bytes"] and r["fp8_bytes"] < r["dense_bytes"]
+
+
+def test_prepare_cpu_drops_canonical_int4():
+    gate, up, down, x, w, ids = make_case(e=4, h=128, i=64, t=6, k=2)
+    stack = make_expert_stack(gate, up, down, "int4", group_size=32)
+    before_bytes = stack.nbytes()
+    ref = moe_reference(x, w, ids, stack)
+    out = fused_moe(x, w, ids, stack, backend="cpu")
+    assert stack.nbytes() > 1.5 * before_bytes  # layouts of the used experts cached beside the stacks
+    stack.prepare("cpu", keep_canonical=False)
+    assert not stack.canonical and stack.gate_up is None and not stack.symmetric
+    assert stack.nbytes() <= before_bytes
+    reset_kernel_stats()
+    torch.testing.assert_close(fused_moe(x, w, ids, stack, backend="triton"), out)  # same layouts
+    assert kernel_stats() == {"fused_moe/cpu": 1}
+    assert rel_err(moe_reference(x, w, ids, stack), ref) < 1e-2  # scales now bf16-rounded
