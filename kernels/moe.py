@@ -299,11 +299,12 @@ def _expert_mm(x: Tensor, experts: ExpertStack, proj: str, e: int) -> Tensor:
 
 
 def _moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack) -> Tensor:
-    """Sort rows by expert, one GEMM pair per expert with rows, weighted sum over the k slots."""
+    """Sort rows by expert, one GEMM pair per expert with rows, weighted scatter-add per token."""
     t, k = topk_ids.shape
     i = experts.intermediate
     order, counts = sort_by_expert(topk_ids, experts.num_experts)
-    xs = x[order // k]  # [T*k, H] rows grouped by expert
+    tokens = order // k
+    xs = x[tokens]  # [T*k, H] rows grouped by expert
     ys = torch.empty(t * k, experts.hidden, dtype=torch.float32, device=x.device)
     start = 0
     for e, n in enumerate(counts):
@@ -315,9 +316,9 @@ def _moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertS
         ys[rows] = _expert_mm(act, experts, "down", e)
         start += n
     ys *= topk_weights.reshape(-1)[order].float()[:, None]
-    out = torch.zeros(t * k, experts.hidden, dtype=torch.float32, device=x.device)
-    out[order] = ys
-    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+    out = torch.zeros(t, experts.hidden, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, ys)
+    return out.to(x.dtype)
 
 
 def fused_moe(

@@ -8,7 +8,7 @@ padded to a multiple of BLOCK_M, so every BLOCK_M block of sorted rows belongs t
   1. gate_up + SwiGLU: gathers the block's token rows of ``x``, accumulates the gate and up tiles
      of that expert's ``gate_up`` (rows n and I + n) and stores ``silu(gate) * up`` [rows, I];
   2. down: multiplies those rows by the expert's ``down``, scales each row by its routing weight
-     and stores it at its assignment's slot (t*k + j) of a float32 [T*k, H] buffer.
+     and stores it at its assignment's slot (t*k + j) of a [T*k, H] buffer (activations' dtype).
 
 The wrapper then sums the k slots of each token (a deterministic scatter-add, no atomics). INT4
 weights are dequantized in the kernel as in kernels/triton_int4.py (even and odd k as two
@@ -156,7 +156,7 @@ def _down_kernel(
     s_ptr,
     z_ptr,
     route_w_ptr,  # [T*k] float32 routing weights
-    y_ptr,  # [T*k, H] float32 out
+    y_ptr,  # [T*k, H] out (the activations' dtype)
     H,
     inter,
     stride_am,
@@ -196,7 +196,7 @@ def _down_kernel(
     safe_slot = tl.where(m_mask, slot, 0)
     rw = tl.load(route_w_ptr + safe_slot, mask=m_mask, other=0.0)
     out = y_ptr + safe_slot[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc * rw[:, None], mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, (acc * rw[:, None]).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def _block_m(rows_per_expert: float) -> int:
@@ -288,7 +288,9 @@ def triton_fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts)
     mpad = row_slot.numel()
     act_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     act = torch.empty(mpad, i, dtype=act_dtype, device=x.device)
-    y = torch.zeros(t * k, h, dtype=torch.float32, device=x.device)
+    # Every slot's row is written once (all N tiles), so no zero fill; stored in the activations'
+    # dtype (half the bytes of float32 for bf16), summed over k in float32.
+    y = torch.empty(t * k, h, dtype=act_dtype, device=x.device)
     route_w = topk_weights.reshape(-1).float().contiguous()
     dot_in = dot_in_input_dtype(x)
     has_zeros = fmt == 1 and experts.gate_up_zeros is not None
@@ -309,4 +311,4 @@ def triton_fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts)
         FMT=fmt, HAS_ZEROS=has_zeros, GROUP=group, DOT_IN_INPUT=dot_in,
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=_block_k(i, group, fmt == 1),
     )  # fmt: skip
-    return y.view(t, k, h).sum(dim=1).to(x.dtype)
+    return y.view(t, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)
