@@ -212,7 +212,17 @@ def make_expert_stack(
             gate_up_scales=gu_s.reshape(e, 2 * i),
             down_scales=d_s.reshape(e, h),
         )
-    g = pick_group_size(math.gcd(h, i)) if group_size is None else group_size
+    if group_size is None:
+        try:
+            g = pick_group_size(math.gcd(h, i))
+        except ValueError:
+            raise ValueError(
+                f"no INT4 group size in {SUPPORTED_GROUPS} divides both H={h} and I={i}"
+            ) from None
+    else:
+        g = group_size
+    if g <= 0 or g % 2 or h % g or i % g:
+        raise ValueError(f"int4 group size {g} must be even and divide H={h} and I={i}")
     # Group-wise quantization is per row, so all experts' rows quantize as one matrix.
     gu = quantize_int4(gate_up.reshape(e * 2 * i, h), g, symmetric=symmetric)
     dq = quantize_int4(down.reshape(e * h, i), g, symmetric=symmetric)

@@ -180,6 +180,9 @@ def test_invalid_inputs_raise_before_compute():
         make_expert_stack(gate, up, down.transpose(1, 2), "dense")
     with pytest.raises(ValueError, match="group size"):
         make_expert_stack(gate, up, down, "int4", group_size=64)  # I=32
+    g, u, d, *_ = make_case(e=2, h=48, i=24, t=0, k=1)
+    with pytest.raises(ValueError, match="divides both H=48 and I=24"):
+        make_expert_stack(g, u, d, "int4")
 
 
 def test_empty_batch_and_unsupported_group_falls_back_to_cpu():
