@@ -271,3 +271,27 @@ def test_bad_moe_configs_are_refused(change, message):
     raw = _hf_config("glm4_moe").to_dict() | {"partial_rotary_factor": 0.5} | change
     with pytest.raises(ModelLoadError, match=message):
         config_from_hf(raw)
+
+
+def test_missing_or_misshapen_experts_fail_at_load(tiny_moe, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagoda.node_agent.models.config import ModelLoadError
+    from pagoda.node_agent.models.loader import load_model
+
+    arch, _, _, path = tiny_moe
+    layer = 0 if arch == "qwen3_moe" else 1
+    shutil.copytree(path, tmp_path / "m")
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    gone = f"model.layers.{layer}.mlp.experts.3.up_proj.weight"
+    del weights[gone]
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"missing weights \\['{gone}'\\]"):
+        load_model(str(tmp_path / "m"))
+    raw = json.loads((path / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw | {"moe_intermediate_size": 32}))
+    shutil.copyfile(path / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="do not match num_experts=8, moe_intermediate_size=32"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "m"), dtype="float32", kv_memory=1 << 20))
