@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels.dispatch import select_backend
 from pagoda.kernels.int4 import pick_group_size
 from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack
 from pagoda.node_agent.models.config import ModelLoadError, MoeConfig
@@ -135,7 +136,11 @@ class MoeMLP:
             key = (stack_fmt, stack_dtype)
             if key not in made:
                 g = pick_group_size(math.gcd(h, i), group_size or 128) if stack_fmt == "int4" else None
-                made[key] = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
+                stack = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
+                if stack_fmt == "int4" and select_backend(gate.device, backend) == "cpu":
+                    # as the INT4 linear layer: only torch's CPU int4pack layouts stay resident
+                    stack.prepare("cpu", keep_canonical=False)
+                made[key] = stack
             self.stacks[phase] = made[key]
         self.shared = (
             DenseMLP(prefix + "shared_experts", w, formats, dtype, backend, group_size)
