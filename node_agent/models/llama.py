@@ -22,6 +22,7 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
     prequantized_format,
 )
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.models.weight_bytes import weight_breakdown
 
 
 def _to_device(v, device: torch.device):
@@ -194,21 +195,8 @@ class LlamaForCausalLM:
         """A prefill chunk that samples nothing: only its KV matters."""
         self.hidden(b)
 
-    def weight_bytes(self) -> dict[str, int]:
-        """Resident bytes (all held formats): ``linear`` the blocks' linear layers (attention, dense
-        MLPs, shared experts), ``experts`` the routed experts (0 for a dense model), ``total`` the
-        whole model (embeddings, norms, routers and head included)."""
-        linear = sum(
-            w.nbytes for layer in self.layers for lin in layer.linears() for w in lin.unique_weights()
-        )
-        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeMLP)]
-        experts = sum(m.expert_bytes() for m in moes)
-        other = self.embed.numel() * self.embed.element_size() + self.lm_head.nbytes
-        other += sum(m.router_bytes() for m in moes)
-        other += sum(
-            n.weight.numel() * n.weight.element_size()
-            for layer in self.layers
-            for n in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
-            if n is not None
-        )
-        return {"linear": linear, "experts": experts, "total": linear + experts + other}
+    def weight_bytes(self) -> dict:
+        """Resident bytes (all held formats) by part (``embeddings``, ``attention``, ``mlp``,
+        ``experts``, ``other``), ``linear`` (attention + mlp), ``total`` and ``by_format``
+        (models/weight_bytes.py)."""
+        return weight_breakdown(self)

@@ -1,0 +1,75 @@
+"""Weight bytes by part and by format (models/weight_bytes.py), on the built-in model and a tiny MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+from pagoda.node_agent.engine.llm_engine import LLMEngine
+from pagoda.node_agent.models.weight_bytes import PARTS
+from tests.engine.test_moe_models import _hf_config
+
+
+def _consistent(wb: dict) -> None:
+    assert sum(wb[p] for p in PARTS) == wb["total"] == sum(wb["by_format"].values())
+    assert wb["linear"] == wb["attention"] + wb["mlp"]
+
+
+def test_dense_model_parts_match_its_shapes(engine) -> None:
+    """Reference formats on a float32 CPU engine: every linear weight is 4 bytes a parameter."""
+    wb = engine.model.weight_bytes()
+    _consistent(wb)
+    c = engine.model_config
+    h, hd, n = c.hidden_size, c.head_dim, c.num_layers
+    assert wb["attention"] == n * 4 * h * hd * (2 * c.num_heads + 2 * c.num_kv_heads)
+    assert wb["mlp"] == n * 4 * 3 * h * c.intermediate_size
+    assert wb["experts"] == 0
+    assert wb["embeddings"] >= 2 * 4 * c.vocab_size * h  # embeddings + (tied) head, as held
+    assert wb["other"] == 4 * h * (2 * n + 1)  # two norms a layer + the final norm
+    assert set(wb["by_format"]) == {"bf16", "fp32"}  # linear layers by format; embeddings, norms by dtype
+    assert wb["by_format"]["fp32"] == 4 * c.vocab_size * h + wb["other"]
+
+
+def test_phase_formats_split_the_bytes(int4_fp8_engine, engine) -> None:
+    """INT4 weights in both phases: one INT4 copy of each linear layer, far smaller than dense."""
+    wb, ref = int4_fp8_engine.model.weight_bytes(), engine.model.weight_bytes()
+    _consistent(wb)
+    assert wb["by_format"]["int4"] == wb["linear"]
+    assert wb["linear"] < 0.2 * ref["linear"]
+    assert wb["embeddings"] == ref["embeddings"] and wb["other"] == ref["other"]
+
+
+@pytest.fixture(scope="module")
+def mixed_moe(tmp_path_factory, builtin_tokenizer) -> LLMEngine:
+    """A tiny GLM-4.5-MoE (shared + routed experts) with bf16 prefill and INT4 decode weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config("glm4_moe")).eval()
+    path = tmp_path_factory.mktemp("glm4_moe_bytes")
+    model.save_pretrained(path, safe_serialization=True)
+    builtin_tokenizer._tok.save_pretrained(path)
+    formats = PhaseFormats("bf16", "bf16", "int4", "bf16")
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", formats=formats, kv_memory=8 << 20))
+
+
+def test_moe_parts_and_formats(mixed_moe) -> None:
+    wb = mixed_moe.model.weight_bytes()
+    _consistent(wb)
+    c = mixed_moe.model_config
+    stacks = [layer.mlp.stacks for layer in mixed_moe.model.layers if hasattr(layer.mlp, "stacks")]
+    assert len(stacks) == 2
+    dense_experts = sum(s["prefill"].nbytes() for s in stacks)
+    int4_experts = sum(s["decode"].nbytes() for s in stacks)
+    assert dense_experts == 2 * 8 * 3 * c.hidden_size * c.moe.expert_intermediate_size * 4
+    assert wb["experts"] == dense_experts + int4_experts
+    # every linear layer and expert stack is held twice: a bf16 copy for prefill, an INT4 one for decode
+    lins = [lin for layer in mixed_moe.model.layers for lin in layer.linears()]
+    linear_bf16 = sum(lin.by_phase["prefill"].nbytes for lin in lins)
+    linear_int4 = sum(lin.by_phase["decode"].nbytes for lin in lins)
+    assert wb["linear"] == linear_bf16 + linear_int4
+    assert wb["by_format"]["bf16"] == linear_bf16 + dense_experts + mixed_moe.model.lm_head.nbytes
+    assert wb["by_format"]["int4"] == linear_int4 + int4_experts
+    assert 0 < wb["by_format"]["int4"] < 0.5 * wb["by_format"]["bf16"]
+    assert wb["other"] > 2 * 8 * c.hidden_size * 4  # the routers (float32) are in "other"
