@@ -126,6 +126,40 @@ class IntegrityReport:
         return {"mode": self.mode, **{camel(name): getattr(self, name) for name in INTEGRITY_COUNTERS}}
 
 
+WEIGHT_PARTS = ("embeddings", "attention", "mlp", "experts", "other")
+MAX_WEIGHT_FORMATS = 8  # distinct format keys read from a peer's ``weights.byFormat``
+MAX_FORMAT_NAME = 32
+
+
+@dataclass
+class WeightReport:
+    """Resident weight bytes by part (``WEIGHT_PARTS``) and by weight format (``bf16``, ``fp8``, ``int4``,
+    unquantized tensors under their dtype). Empty (all zero, no formats) from an agent that predates it."""
+
+    parts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(WEIGHT_PARTS, 0))
+    by_format: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_breakdown(cls, breakdown: Mapping[str, Any]) -> WeightReport:
+        """From the model's ``weight_bytes()`` dict (``EngineSnapshot.weight_breakdown``)."""
+        return cls.from_status({**breakdown, "byFormat": _mapping(breakdown).get("by_format")})
+
+    @classmethod
+    def from_status(cls, raw: Any) -> WeightReport:
+        """Known parts only; at most ``MAX_WEIGHT_FORMATS`` formats with short string names."""
+        raw = _mapping(raw)
+        formats: dict[str, int] = {}
+        for name, value in _mapping(raw.get("byFormat")).items():
+            if len(formats) >= MAX_WEIGHT_FORMATS:
+                break
+            if isinstance(name, str) and 0 < len(name) <= MAX_FORMAT_NAME:
+                formats[name] = _count(value)
+        return cls({part: _count(raw.get(part)) for part in WEIGHT_PARTS}, formats)
+
+    def to_status(self) -> dict[str, Any]:
+        return {**{part: self.parts.get(part, 0) for part in WEIGHT_PARTS}, "byFormat": dict(self.by_format)}
+
+
 @dataclass
 class AgentReport:
     """One agent's report. ``stale`` is the operator's mark on the report; agents leave it None."""
@@ -143,6 +177,7 @@ class AgentReport:
     running_requests: int = 0
     waiting_requests: int = 0
     integrity: IntegrityReport = field(default_factory=IntegrityReport)
+    weights: WeightReport = field(default_factory=WeightReport)
     last_report_time: dt.datetime | None = None
     stale: bool | None = None
 
@@ -162,6 +197,7 @@ class AgentReport:
             "runningRequests": self.running_requests,
             "waitingRequests": self.waiting_requests,
             "integrity": self.integrity.to_status(),
+            "weights": self.weights.to_status(),
         }
         if self.last_report_time is not None:
             out["lastReportTime"] = format_time(self.last_report_time)
@@ -186,6 +222,7 @@ class AgentReport:
             running_requests=_count(raw.get("runningRequests")),
             waiting_requests=_count(raw.get("waitingRequests")),
             integrity=IntegrityReport.from_status(raw.get("integrity")),
+            weights=WeightReport.from_status(raw.get("weights")),
             last_report_time=parse_time(raw.get("lastReportTime")),
             stale=stale if isinstance(stale, bool) else None,
         )

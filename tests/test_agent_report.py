@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
 
 import pytest
 
-from pagoda.agent_report import REPORT_VERSION, AgentReport, IntegrityReport, PhaseFormats
+from pagoda.agent_report import (
+    MAX_FORMAT_NAME,
+    MAX_WEIGHT_FORMATS,
+    REPORT_VERSION,
+    WEIGHT_PARTS,
+    AgentReport,
+    IntegrityReport,
+    PhaseFormats,
+    WeightReport,
+)
 
 WHEN = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -159,3 +169,44 @@ def test_counters_from_the_engine_use_its_snake_case_names() -> None:
     assert IntegrityReport.from_counters("off", {}) == IntegrityReport("off")
     formats = PhaseFormats.from_formats({"prefill_weights": "bf16", "decode_kv": "fp8_e4m3"})
     assert formats == PhaseFormats(prefill_weights="bf16", decode_kv="fp8_e4m3")
+
+
+def test_weights_round_trip_and_old_reports_read_empty() -> None:
+    weights = WeightReport(
+        {"embeddings": 10, "attention": 20, "mlp": 30, "experts": 40, "other": 1},
+        {"int4": 60, "bf16": 40, "fp32": 1},
+    )
+    report = dataclasses.replace(full_report(), weights=weights)
+    wire = json.loads(json.dumps(report.to_status()))
+    assert wire["weights"] == {
+        "embeddings": 10,
+        "attention": 20,
+        "mlp": 30,
+        "experts": 40,
+        "other": 1,
+        "byFormat": {"int4": 60, "bf16": 40, "fp32": 1},
+    }
+    assert AgentReport.from_status(wire) == report
+    old = AgentReport.from_status(OLD_WIRE)  # an agent from before the field
+    assert old.weights == WeightReport() and old.weights.parts == dict.fromkeys(WEIGHT_PARTS, 0)
+    assert old.weight_bytes == 123
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "lots",
+        [1, 2],
+        {"attention": -5, "mlp": "many", "experts": math.inf, "byFormat": "int4"},
+        {"byFormat": {"": 5, "x" * (MAX_FORMAT_NAME + 1): 5, "int4": -1}},
+        {"byFormat": {f"f{i}": i for i in range(100)}},
+    ],
+)
+def test_malformed_weights_from_a_peer_take_defaults(raw) -> None:
+    """Unknown parts are dropped, bad counts read 0 and a peer cannot send unbounded format keys."""
+    report = AgentReport.from_status({**OLD_WIRE, "weights": raw, "unknownPart": 1})
+    assert set(report.weights.parts) == set(WEIGHT_PARTS)
+    assert all(v == 0 for v in report.weights.parts.values())
+    assert len(report.weights.by_format) <= MAX_WEIGHT_FORMATS
+    assert all(0 < len(k) <= MAX_FORMAT_NAME for k in report.weights.by_format)
+    assert report.weight_bytes == 123

@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import httpx
 
-from pagoda.agent_report import AgentReport, IntegrityReport, PhaseFormats
+from pagoda.agent_report import AgentReport, IntegrityReport, PhaseFormats, WeightReport
 from pagoda.node_agent.serving.metrics import EngineSnapshot
 
 log = logging.getLogger("pagoda.reporter")
@@ -146,6 +146,7 @@ def build_report(
         running_requests=snap.running,
         waiting_requests=snap.waiting,
         integrity=IntegrityReport.from_counters(snap.integrity_mode, snap.integrity),
+        weights=WeightReport.from_breakdown(snap.weight_breakdown),
         last_report_time=when.replace(microsecond=0),
     )
 

@@ -94,7 +94,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop_rules = StopRules(frozenset(eos), self.max_model_len)
-        self._weight_bytes = int(self.model.weight_bytes()["total"])
+        self._weight_breakdown = self.model.weight_bytes()  # by part and format (models/weight_bytes.py)
+        self._weight_bytes = int(self._weight_breakdown["total"])
         log.info(
             "engine ready in %.1fs: %s, %d layers, dtype %s, KV %d pages x %d tokens (%s), device %s",
             time.perf_counter() - t0,
@@ -450,6 +451,7 @@ class LLMEngine:
             integrity_mode=self.integrity.mode,
             integrity=dataclasses.asdict(self.integrity.counters),
             weight_bytes=self._weight_bytes,
+            weight_breakdown=self._weight_breakdown,
             prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
             preemptions=self.scheduler.num_preemptions,
             stats=dataclasses.replace(self.stats, step_seconds=dict(self.stats.step_seconds)),

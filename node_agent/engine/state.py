@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -45,3 +46,5 @@ class EngineState:
     prefix_hit_tokens: int
     preemptions: int
     stats: EngineStats
+    # the model's weight_bytes(): bytes by part, "linear", "total" and "by_format" (models/weight_bytes.py)
+    weight_breakdown: dict[str, Any] = field(default_factory=dict)

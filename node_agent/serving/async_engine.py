@@ -393,6 +393,7 @@ class AsyncEngine:
             integrity_mode=s.integrity_mode,
             integrity=s.integrity,
             weight_bytes=s.weight_bytes,
+            weight_breakdown=s.weight_breakdown,
             formats=s.formats,
             prefix_hit_tokens=s.prefix_hit_tokens,
             generation_tokens=self.generated_tokens,

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from pagoda.node_agent.engine.state import KVPoolState
+from pagoda.node_agent.models.weight_bytes import PARTS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -33,6 +34,7 @@ class EngineSnapshot:
     integrity_mode: str = "off"
     integrity: dict[str, int] = field(default_factory=dict)
     weight_bytes: int = 0
+    weight_breakdown: dict[str, Any] = field(default_factory=dict)  # EngineState.weight_breakdown
     formats: dict[str, str] = field(default_factory=dict)
     prefix_hit_tokens: int = 0
     generation_tokens: int = 0
@@ -195,6 +197,7 @@ class EngineCollector(Collector):
         yield _gauge(
             "pagoda_weight_bytes", "Bytes of model weights held (all phase formats)", p, s.weight_bytes
         )
+        yield from weight_families(p, s.weight_breakdown)
         yield _gauge("pagoda_ready", "1 when the engine is loaded and its loop runs", p, int(s.ready))
         yield _counter("pagoda_integrity_checks", "Batched KV tag checks", p, s.integrity.get("checks", 0))
         yield _counter(
@@ -229,6 +232,27 @@ class EngineCollector(Collector):
         )
         info.add_metric([p], {"model": s.model, "integrity": s.integrity_mode, **s.formats})
         yield info
+
+
+def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFamily]:
+    """``pagoda_weight_part_bytes{part}`` and ``pagoda_weight_format_bytes{format}``: the same total as
+    ``pagoda_weight_bytes``, split by model part and by weight format (none before the engine reports)."""
+    parts = GaugeMetricFamily(
+        "pagoda_weight_part_bytes",
+        "Bytes of model weights held by part (embeddings incl. LM head, attention, mlp, experts, other)",
+        labels=["pool", "part"],
+    )
+    formats = GaugeMetricFamily(
+        "pagoda_weight_format_bytes",
+        "Bytes of model weights held by format (linear layers and experts by weight format, others by dtype)",
+        labels=["pool", "format"],
+    )
+    if breakdown:
+        for part in PARTS:
+            parts.add_metric([pool, part], breakdown.get(part, 0))
+        for fmt, n in sorted(breakdown.get("by_format", {}).items()):
+            formats.add_metric([pool, fmt], n)
+    return [parts, formats]
 
 
 def _gauge(name: str, doc: str, pool: str, value: float) -> GaugeMetricFamily:
