@@ -36,16 +36,21 @@ FILLER = (
 
 def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
     """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales included), with bf16 as
-    a true 2-byte type whatever the compute dtype."""
+    a true 2-byte type whatever the compute dtype. Per-layer figures follow ``kv_components(cfg)``
+    (K and V per KV head, or whatever components the model's attention stores, e.g. an MLA latent)."""
     dt = TRUE_BF16 if kv_format == "bf16" else torch.float8_e4m3fn
     comps = kv_components(cfg)
     pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt)
     per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt)
+    elem = torch.empty((), dtype=dt).element_size()
+    per_comp = {name: int(torch.Size(shape).numel()) * elem for name, shape in comps.items()}
     return {
         "pages": pages,
         "tokens": pages * page_size,
         "bytes_per_page": per_page,
         "bytes_per_token": per_page / page_size,
+        "bytes_per_token_per_layer": sum(per_comp.values()),
+        "component_bytes_per_token_per_layer": per_comp,
     }
 
 
@@ -117,11 +122,13 @@ def bench_kv(
         caps[f]["max_seqs"] = caps[f]["pages"] // pages_per_seq
     ratio = caps["fp8_e4m3"]["tokens"] / caps["bf16"]["tokens"]
     log(f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens, {seq_tokens} tokens per sequence")
+    comps = ", ".join(f"{n} {tuple(s)}" for n, s in kv_components(mc).items())
+    log(f"  per token and layer: {comps} x {mc.num_layers} layers")
     for f in KV_CACHE_FORMATS:
         c = caps[f]
         log(
-            f"  {f:<9} {c['pages']:>6} pages {c['tokens']:>7} tokens "
-            f"{c['bytes_per_token']:>7.1f} B/token  max {c['max_seqs']} sequences"
+            f"  {f:<9} {c['bytes_per_token_per_layer']:>6} B/token/layer {c['bytes_per_token']:>9.1f} B/token "
+            f"{c['pages']:>6} pages {c['tokens']:>8} tokens  max {c['max_seqs']} sequences"
         )
     log(
         f"  fp8/bf16 capacity: {ratio:.3f}x (split bf16 prefill + fp8 decode: {split_decode['tokens']} decode tokens)"
@@ -158,6 +165,9 @@ def bench_kv(
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
         "capacity_tokens": {f: caps[f]["tokens"] for f in KV_CACHE_FORMATS},
+        "kv_components": {n: list(s) for n, s in kv_components(mc).items()},
+        "num_layers": mc.num_layers,
+        "bytes_per_token_per_layer": {f: caps[f]["bytes_per_token_per_layer"] for f in KV_CACHE_FORMATS},
         "capacity": caps,
         "capacity_ratio_fp8_vs_bf16": ratio,
         "split_default_decode_capacity_tokens": split_decode["tokens"],
