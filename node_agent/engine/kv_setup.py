@@ -10,6 +10,7 @@ from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_kv
 from pagoda.node_agent.engine.calibration import CALIBRATION_TEXT
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.kv_pool import KVPagePool, storage_dtype
+from pagoda.node_agent.engine.memory import check_pool_fits
 from pagoda.node_agent.engine.model_runner import ModelRunner
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.tokenizer import Tokenizer
@@ -68,11 +69,29 @@ class PoolBuilder:
             self.pool(f.decode_kv, budget - pre, "decode-kv"),
         )
 
+    def must_hold_sequence(self) -> bool:
+        """A budget the engine chose (a share of free GPU memory, or the CPU default under an explicit
+        max_model_len) must hold one max-length sequence; a configured kv_memory need only hold a page."""
+        return self.config.kv_memory is None and (
+            self.device.type == "cuda" or self.config.max_model_len is not None
+        )
+
     def pool(self, kv_format: str, budget: int, name: str) -> KVPagePool:
         """As many pages of ``kv_format`` as ``budget`` bytes hold (scales calibrated for FP8)."""
         dt = storage_dtype(kv_format, self.dtype)
         n = self.model_config.num_layers
         pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.components, dt)
+        check_pool_fits(
+            name=name,
+            kv_format=kv_format,
+            budget=budget,
+            pages=pages,
+            page_size=self.config.page_size,
+            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.components, dt),
+            num_layers=n,
+            max_model_len=self.max_model_len,
+            must_hold_sequence=self.must_hold_sequence(),
+        )
         pool = KVPagePool(
             n, pages, self.config.page_size, self.components, dt, self.device, kv_format=kv_format, name=name
         )

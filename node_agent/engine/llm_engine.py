@@ -28,6 +28,7 @@ from pagoda.node_agent.engine.fault_injection import make_faults
 from pagoda.node_agent.engine.integrity import IntegrityError, make_tracker, release_owned
 from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
 from pagoda.node_agent.engine.kv_setup import PoolBuilder
+from pagoda.node_agent.engine.memory import check_weights_fit, estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
@@ -66,6 +67,11 @@ class LLMEngine:
         loaded = loaded or load_model(config.model)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+        if self.device.type == "cuda":  # before any weight reaches the device
+            est = estimate_weight_bytes(
+                loaded.weights, phase_weight_formats(config), self.dtype, config.int4_group_size
+            )
+            check_weights_fit(est, self.device)
         self.model = build_model(config, loaded, self.dtype, self.device)
         del loaded
         self.max_model_len = context_limit(config, self.model_config)
