@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagoda.node_agent.models.cache import read_cache, write_cache
+from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
 from pagoda.node_agent.models.config import (
     ATTENTION_NAMES,
     GGUF_MOE_ARCHITECTURES,
@@ -241,6 +242,7 @@ def _load_hf_dir(source: str, path: Path) -> LoadedModel:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{cfg_file} is not valid JSON: {exc}") from exc
     cfg = config_from_hf(raw)
+    ckpt_quant = parse_quantization_config(raw)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
@@ -253,9 +255,12 @@ def _load_hf_dir(source: str, path: Path) -> LoadedModel:
         except Exception as exc:
             raise ModelLoadError(f"cannot read {f}: {exc}") from exc
         for k, v in part.items():
-            weights[k] = v if (manifest and k in manifest.get("tensors", {})) else v.float()
+            keep = ckpt_quant is not None or (manifest and k in manifest.get("tensors", {}))
+            weights[k] = v if keep else v.float()
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
+    if ckpt_quant is not None:  # a released FP8 / INT4 checkpoint: see checkpoint_formats
+        weights = convert_checkpoint(weights, ckpt_quant)
     if manifest is None:
         _check_weights(cfg, weights, str(path))
     else:  # a `pagoda quantize` checkpoint: packed tensors -> Int4Weight / Fp8Weight objects

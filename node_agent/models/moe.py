@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from pagoda.kernels.dispatch import select_backend
 from pagoda.kernels.int4 import pick_group_size
 from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack
+from pagoda.node_agent.models.checkpoint_formats import dense_experts, prequantized_expert_stack
 from pagoda.node_agent.models.config import ModelLoadError, MoeConfig
 from pagoda.node_agent.models.layers import PHASES, DenseMLP, PhaseLinear
 
@@ -113,7 +114,15 @@ class MoeMLP:
         self.correction_bias = (
             torch.zeros(cfg.num_experts, device=self.router.device) if bias is None else bias.float()
         )
-        gate, up, down = expert_weights(w, prefix, cfg.num_experts)
+        # A prequantized checkpoint's experts serve their own format as stored; dequantized for others.
+        pre = prequantized_expert_stack(w, prefix, cfg.num_experts)
+        if pre is None:
+            gate, up, down = expert_weights(w, prefix, cfg.num_experts)
+        elif any(_STACK_FORMATS.get(formats[p]) != pre.fmt for p in PHASES):
+            gate, up, down = dense_experts(pre)
+        else:
+            gate = up = torch.empty(pre.num_experts, pre.intermediate, pre.hidden, device="meta")
+            down = gate.transpose(1, 2)  # shapes only: every phase serves the stored stack
         e, i, h = gate.shape
         if (e, i, h) != (cfg.num_experts, cfg.expert_intermediate_size, hidden_size) or tuple(down.shape) != (
             e,
@@ -136,8 +145,11 @@ class MoeMLP:
             key = (stack_fmt, stack_dtype)
             if key not in made:
                 g = pick_group_size(math.gcd(h, i), group_size or 128) if stack_fmt == "int4" else None
-                stack = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
-                if stack_fmt == "int4" and select_backend(gate.device, backend) == "cpu":
+                if pre is not None and pre.fmt == stack_fmt:
+                    stack = pre
+                else:
+                    stack = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
+                if stack_fmt == "int4" and select_backend(self.router.device, backend) == "cpu":
                     # as the INT4 linear layer: only torch's CPU int4pack layouts stay resident
                     stack.prepare("cpu", keep_canonical=False)
                 made[key] = stack
