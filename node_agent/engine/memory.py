@@ -93,7 +93,9 @@ def estimate_weight_bytes(
             add(head_format, linear_bytes(w, head_format, dtype))
         elif name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"):
             add("fp32", _shape(w)[0] * 4)  # routers are float32
-        elif prequantized_format(w) is None and getattr(w, "dim", lambda: 0)() < 2:
+        elif prequantized_format(w) is None and not isinstance(w, torch.Tensor):
+            add(dense, int(getattr(w, "nbytes", 0)))  # an object of unknown layout: as stored
+        elif prequantized_format(w) is None and w.dim() < 2:  # type: ignore[attr-defined]
             add(dense, _shape(w)[0] * elem)  # norms and biases
         else:
             for fmt in held:

@@ -75,6 +75,11 @@ def test_weight_estimate_counts_each_phase_format_once(builtin_loaded) -> None:
     assert two.by_format["bf16"] > one.by_format["bf16"]  # the prefill phase adds a dense copy
     assert two.by_format["fp8"] == one.by_format["fp8"]
     assert two.total > one.total
+    odd = type("Packed", (), {"nbytes": 7})()  # a weight object of unknown layout counts as stored
+    assert (
+        estimate_weight_bytes({"x.weight": odd}, {"prefill": "int4", "decode": "int4"}, torch.float32).total
+        == 7
+    )
     role = EngineConfig(formats=PhaseFormats("bf16", "bf16", "int4", "fp8_e4m3"), role="decode")
     assert phase_weight_formats(role) == {"prefill": "int4", "decode": "int4"}
 
