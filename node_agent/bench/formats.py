@@ -54,6 +54,53 @@ def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
     }
 
 
+def model_config_of(source: str):
+    """The model's config without its weights (a Hugging Face directory's config.json; a GGUF loads)."""
+    import json
+
+    from pagoda.node_agent.models.config import config_from_hf
+    from pagoda.node_agent.models.loader import load_model, resolve_source
+
+    kind, path = resolve_source(source)
+    if kind == "hf-dir" and (path / "config.json").exists():
+        return config_from_hf(json.loads((path / "config.json").read_text()))
+    return load_model(source).config
+
+
+def bench_kv_capacity(cfg: EngineConfig, log: Log = echo) -> dict:
+    """``bench kv --capacity-only``: bf16 vs fp8_e4m3 per-token bytes and capacity under the budget
+    (default 64 MiB) from the model's config alone: no weights loaded, no decode run."""
+    mc = model_config_of(cfg.model)
+    budget, ps = cfg.kv_memory or DEFAULT_KV_BUDGET, cfg.page_size
+    max_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
+    caps = {f: kv_capacity(mc, budget, ps, f) for f in KV_CACHE_FORMATS}
+    comps = ", ".join(f"{n} {tuple(s)}" for n, s in kv_components(mc).items())
+    log(
+        f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens; per token and layer: {comps} x {mc.num_layers} layers"
+    )
+    for f in KV_CACHE_FORMATS:
+        c = caps[f]
+        c["max_len_sequences"] = c["tokens"] // max_len
+        log(
+            f"  {f:<9} {c['bytes_per_token_per_layer']:>6} B/token/layer {c['bytes_per_token']:>9.1f} B/token "
+            f"{c['pages']:>8} pages {c['tokens']:>9} tokens  {c['max_len_sequences']} x {max_len}-token sequences"
+        )
+    return {
+        "bench": "kv",
+        "mode": "capacity",
+        "model": cfg.model,
+        "kv_budget_bytes": budget,
+        "page_size": ps,
+        "max_model_len": max_len,
+        "num_layers": mc.num_layers,
+        "kv_components": {n: list(s) for n, s in kv_components(mc).items()},
+        "bytes_per_token_per_layer": {f: caps[f]["bytes_per_token_per_layer"] for f in KV_CACHE_FORMATS},
+        "capacity_tokens": {f: caps[f]["tokens"] for f in KV_CACHE_FORMATS},
+        "capacity": caps,
+        "capacity_ratio_fp8_vs_bf16": caps["fp8_e4m3"]["tokens"] / max(1, caps["bf16"]["tokens"]),
+    }
+
+
 def sized_prompts(engine, n: int, tokens: int, salt: str) -> list[list[int]]:
     """n distinct prompts of exactly ``tokens`` token ids (a bench prompt padded with filler)."""
     filler = engine.tokenize(FILLER * 8)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from pagoda.node_agent.bench.common import write_result
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_argv, engine_config_from_args
@@ -39,9 +41,16 @@ def cmd_bench_integrity(a: argparse.Namespace) -> int:
 
 
 def cmd_bench_kv(a: argparse.Namespace) -> int:
-    from pagoda.node_agent.bench.formats import bench_kv, plot_kv
+    from pagoda.node_agent.bench.formats import bench_kv, bench_kv_capacity, plot_kv
 
     cfg = engine_config_from_args(a)
+    if a.capacity_only:
+        result = bench_kv_capacity(cfg)
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(result, indent=2))
+            print(f"wrote {a.json}")
+        return 0
     result = bench_kv(cfg, a.concurrency, a.max_tokens, a.pages_per_seq, a.threads)
     write_result(a.json, result, lambda p: plot_kv(p, result))
     return 0
@@ -114,6 +123,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--pages-per-seq", type=int, default=None, help="default: fills 85%% of fp8 at top concurrency"
     )
     k.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    k.add_argument(
+        "--capacity-only",
+        action="store_true",
+        help="only bytes per token and capacity, from the model's config.json (no weights loaded, no decode)",
+    )
     k.add_argument("--json", default=None, help=JSON_HELP)
     k.set_defaults(func=cmd_bench_kv)
 

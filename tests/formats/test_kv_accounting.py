@@ -42,3 +42,25 @@ def test_moe_configs_count_their_kv_heads(arch: str) -> None:
     cfg = config_from_hf(_hf_config(arch).to_dict())
     cap = kv_capacity(cfg, 8 << 20, 16, "fp8_e4m3")
     assert cap["bytes_per_token_per_layer"] == 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def test_bench_kv_capacity_only_reads_just_the_config(tmp_path, capsys) -> None:
+    """A MoE config.json with no weights beside it: the figures come from the config alone."""
+    import json
+
+    from pagoda.node_agent.cli.main import main
+    from tests.engine.test_moe_models import _hf_config
+
+    hf = _hf_config("qwen3_moe")
+    hf.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    out = tmp_path / "kv.json"
+    argv = ["bench", "kv", "--capacity-only", "--model", str(tmp_path), "--kv-memory", "8MiB"]
+    assert main([*argv, "--max-model-len", "64", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    per_layer = 2 * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads)
+    assert res["bytes_per_token_per_layer"] == {"bf16": 2 * per_layer, "fp8_e4m3": per_layer}
+    assert res["num_layers"] == hf.num_hidden_layers and res["mode"] == "capacity"
+    fp8 = res["capacity"]["fp8_e4m3"]
+    assert fp8["max_len_sequences"] == fp8["tokens"] // 64 > 0
+    assert f"{per_layer} B/token/layer" in capsys.readouterr().out
