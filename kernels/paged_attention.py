@@ -299,7 +299,7 @@ def convert_pages(
     src_v_scale: Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    """Copy whole pages between pools (bf16 -> fp8 quantizes with the destination scales)."""
+    """Copy whole K and V pages between pools (bf16 -> fp8 quantizes with the destination scales)."""
     for cache, scale, name in (
         (src_k, src_k_scale, "src_k"),
         (src_v, src_v_scale, "src_v"),
@@ -309,19 +309,41 @@ def convert_pages(
         _check_cache(cache, scale, name)
     if src_k.shape[1:] != dst_k.shape[1:] or src_v.shape[1:] != dst_v.shape[1:]:
         raise ValueError("source and destination pools differ in page_size, kv heads or head_dim")
-    if src_pages.numel() != dst_pages.numel():
-        raise ValueError("src_pages and dst_pages differ in length")
-    be = resolve("convert_pages", src_k.device, backend, supports=("cpu", "reference"))
     for src, dst, s_scale, d_scale in (
         (src_k, dst_k, src_k_scale, dst_k_scale),
         (src_v, dst_v, src_v_scale, dst_v_scale),
     ):
-        if be == "reference":
-            for sp, dp in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
-                raw_bytes(dst)[dp] = raw_bytes(_convert(src[sp], dst.dtype, s_scale, d_scale))
-        else:
-            vals = _convert(src[src_pages.long()], dst.dtype, s_scale, d_scale)
-            raw_bytes(dst)[dst_pages.long()] = raw_bytes(vals)
+        convert_component_pages(src, dst, src_pages, dst_pages, d_scale, s_scale, backend)
+
+
+def convert_component_pages(
+    src: Tensor,
+    dst: Tensor,
+    src_pages: Tensor,
+    dst_pages: Tensor,
+    dst_scale: Tensor | None = None,
+    src_scale: Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """Copy whole pages of one cache component (K, V, an MLA latent or rope key: any
+    ``[num_pages, page_size, heads, dim]`` page tensor) between pools, converting the format
+    (bf16 -> fp8 quantizes with the destination's per-head scales)."""
+    _check_cache(src, src_scale, "source pages")
+    _check_cache(dst, dst_scale, "destination pages")
+    if src.shape[1:] != dst.shape[1:]:
+        raise ValueError(
+            f"source and destination pages differ in page_size, heads or dim: "
+            f"{tuple(src.shape[1:])} vs {tuple(dst.shape[1:])}"
+        )
+    if src_pages.numel() != dst_pages.numel():
+        raise ValueError("src_pages and dst_pages differ in length")
+    be = resolve("convert_pages", src.device, backend, supports=("cpu", "reference"))
+    if be == "reference":
+        for sp, dp in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
+            raw_bytes(dst)[dp] = raw_bytes(_convert(src[sp], dst.dtype, src_scale, dst_scale))
+    else:
+        vals = _convert(src[src_pages.long()], dst.dtype, src_scale, dst_scale)
+        raw_bytes(dst)[dst_pages.long()] = raw_bytes(vals)
 
 
 def _convert(x: Tensor, dtype: torch.dtype, s_scale: Tensor | None, d_scale: Tensor | None) -> Tensor:
@@ -340,6 +362,12 @@ def calibrate_kv_scales(k: Tensor, v: Tensor, headroom: float = 1.0) -> tuple[Te
     ``headroom > 1`` leaves room for activations larger than any seen in calibration (values
     beyond the calibrated range clamp to +-448 * scale).
     """
+    return calibrate_head_scales(k, headroom), calibrate_head_scales(v, headroom)
+
+
+def calibrate_head_scales(x: Tensor, headroom: float = 1.0) -> Tensor:
+    """Per-head FP8 scales ``amax * headroom / 448`` of one cache component's calibration values
+    [T, heads, dim] (K or V of a GQA model; an MLA latent or rope key with its single head)."""
     if headroom <= 0:
         raise ValueError(f"headroom must be positive, got {headroom}")
-    return amax_scale(k.abs().amax(dim=(0, 2)), headroom), amax_scale(v.abs().amax(dim=(0, 2)), headroom)
+    return amax_scale(x.abs().amax(dim=(0, 2)), headroom)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.kernels.paged_attention import convert_pages
+from pagoda.kernels.paged_attention import convert_component_pages
 from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
 from pagoda.vocabulary import handoff_allowed
@@ -23,7 +23,9 @@ class KVPayload:
     first_token: int
     page_size: int
     kv_format: str
-    layers: list[dict[str, torch.Tensor]]  # per layer {"k": [n, page, H, D], "v": ...} on the CPU
+    layers: list[
+        dict[str, torch.Tensor]
+    ]  # per layer {component: [n, page, H, D]} ("k"/"v", MLA "latent"/"rope_k")
     scales: list[dict[str, torch.Tensor]] | None = None  # FP8 per-head scales of the sender
     generator_state: torch.Tensor | None = None  # seeded sampling continues where it stopped
     num_cached_tokens: int = 0
@@ -62,24 +64,14 @@ def convert_into(
 ) -> None:
     """Write source pages (any KV format) into ``dst_refs``, converting to the destination format."""
     dst_idx = torch.tensor([r.page for r in dst_refs], dtype=torch.long, device=dst.device)
+    idx = src_idx if src_idx is not None else torch.arange(len(dst_refs), device=dst.device)
     for li, (d, s) in enumerate(zip(dst.layers, src_layers, strict=True)):
-        sk, sv = s["k"].to(dst.device), s["v"].to(dst.device)
-        idx = src_idx if src_idx is not None else torch.arange(len(dst_refs), device=dst.device)
         ss = src_scales[li] if src_scales else {}
         ds = dst.scales[li] if dst.scales else {}
-        convert_pages(
-            sk,
-            sv,
-            d["k"],
-            d["v"],
-            idx,
-            dst_idx,
-            ds.get("k"),
-            ds.get("v"),
-            _dev(ss.get("k"), dst.device),
-            _dev(ss.get("v"), dst.device),
-            backend=backend,
-        )
+        for c, pages in d.items():  # every component of the pool: K and V, or an MLA latent and rope key
+            convert_component_pages(
+                s[c].to(dst.device), pages, idx, dst_idx, ds.get(c), _dev(ss.get(c), dst.device), backend
+            )
 
 
 def migrate(

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_kv_scales
+from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_head_scales
 from pagoda.node_agent.engine.calibration import CALIBRATION_TEXT
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.kv_pool import KVPagePool, storage_dtype
@@ -19,7 +19,10 @@ log = logging.getLogger("pagoda.engine")
 
 
 def kv_components(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """What one token stores per layer: K and V per KV head (GQA)."""
+    """What one token stores per layer: K and V per KV head (GQA), or for multi-head latent attention
+    (DeepSeek-V3) one shared "head" of the compressed latent and one of the rope key (models/mla.py)."""
+    if cfg.mla is not None:
+        return {"latent": (1, cfg.mla.kv_lora_rank), "rope_k": (1, cfg.mla.qk_rope_head_dim)}
     return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
 
@@ -101,7 +104,8 @@ class PoolBuilder:
 
     @torch.inference_mode()
     def calibrate(self, pool: KVPagePool) -> None:
-        """Static FP8 scales per layer and KV head from the K/V of a short built-in text."""
+        """Static FP8 scales per layer, component and head (KV head; the one MLA head) from the
+        cache contents of a short built-in text."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.max_model_len]
         n = len(ids)
         tmp = KVPagePool(
@@ -115,9 +119,6 @@ class PoolBuilder:
         )
         self.runner.score(ids, tmp, phase="prefill")
         for layer, scales in zip(tmp.layers, pool.scales, strict=True):
-            ks, vs = calibrate_kv_scales(
-                layer["k"].flatten(0, 1)[:n], layer["v"].flatten(0, 1)[:n], headroom=RECOMMENDED_KV_HEADROOM
-            )
-            scales["k"].copy_(ks)
-            scales["v"].copy_(vs)
+            for c, scale in scales.items():
+                scale.copy_(calibrate_head_scales(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM))
         log.info("calibrated FP8 KV scales of %s on %d tokens", pool.name, n)

@@ -3,6 +3,7 @@ read from GGUF or HF config.json."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = {
@@ -13,17 +14,20 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "llama": "llama",
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
 }
 # Families whose MLPs are (partly) mixtures of experts; loaded from Hugging Face directories only.
-MOE_FAMILIES = ("qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 # GGUF `general.architecture` names of MoE families the GGUF loader refuses, with a readable name.
-GGUF_MOE_ARCHITECTURES = {"qwen3moe": "Qwen3-MoE", "glm4moe": "GLM-4.5/4.6 MoE"}
+GGUF_MOE_ARCHITECTURES = {"qwen3moe": "Qwen3-MoE", "glm4moe": "GLM-4.5/4.6 MoE", "deepseek2": "DeepSeek-V3"}
 
 
 # Per-layer weights of a dense Llama-family block (HF names, without "model.layers.N." and ".weight")
@@ -31,6 +35,15 @@ ATTENTION_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "
 MLP_NAMES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # a dense MLP (not the MoE layers)
 LINEAR_NAMES = ATTENTION_NAMES + MLP_NAMES
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+# Multi-head latent attention (DeepSeek-V3): q_a/q_b with a norm (or a plain q_proj), the joint
+# latent + rope-key projection, its norm, the latent's up-projection to K_nope and V, and o_proj.
+MLA_Q_LORA_NAMES = ("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj")
+MLA_NAMES = (
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_a_layernorm",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+)
 
 
 class ModelLoadError(ValueError):
@@ -82,6 +95,35 @@ class MoeConfig:
 
 
 @dataclass
+class MlaConfig:
+    """Multi-head latent attention: per token the cache holds the ``kv_lora_rank`` latent (after
+    kv_a_layernorm) and the ``qk_rope_head_dim`` rope key shared by all heads (after RoPE).
+
+    ``softmax_scale`` is qk_head_dim ** -0.5 times YaRN's mscale(factor, mscale_all_dim) ** 2;
+    ``rope_interleave``: the rope dims come in (even, odd) pairs (DeepSeek's released weights)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        dims = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if (
+            min(dims) < 1
+            or self.qk_rope_head_dim % 2
+            or (self.q_lora_rank is not None and self.q_lora_rank < 1)
+        ):
+            raise ModelLoadError(
+                f"MLA dimensions must be positive (qk_rope_head_dim even): q_lora_rank={self.q_lora_rank}, "
+                f"kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim = {dims}"
+            )
+
+
+@dataclass
 class ModelConfig:
     """What the engine needs to know about a dense Llama-family decoder."""
 
@@ -105,6 +147,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     rotary_dim: int | None = None  # leading dims of each head that RoPE rotates (None: all; GLM: half)
     moe: MoeConfig | None = None  # the MoE layers' hyper-parameters (None: a dense model)
+    mla: MlaConfig | None = None  # multi-head latent attention (None: GQA attention)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -120,12 +163,22 @@ class ModelConfig:
             )
         if isinstance(self.moe, dict):  # read back from a JSON cache entry
             self.moe = MoeConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MlaConfig(**self.mla)
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
             raise ModelLoadError(f"MoE layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
         return self.moe is not None and layer in self.moe.sparse_layers
+
+
+def attention_weight_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """Per-layer attention weight names (without ``model.layers.N.`` and ``.weight``)."""
+    if cfg.mla is None:
+        return ATTENTION_NAMES
+    q = MLA_Q_LORA_NAMES if cfg.mla.q_lora_rank is not None else ("self_attn.q_proj",)
+    return q + MLA_NAMES
 
 
 def family_of(name: str) -> str:
@@ -155,7 +208,7 @@ def _moe_from_hf(fam: str, cfg: dict, num_layers: int) -> MoeConfig | None:
             router="softmax",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         )
-    if fam == "glm4_moe":
+    if fam in ("glm4_moe", "deepseek_v3"):
         first_dense = int(cfg.get("first_k_dense_replace", 1))
         return MoeConfig(
             num_experts=int(cfg.get("n_routed_experts") or cfg["num_local_experts"]),
@@ -170,6 +223,51 @@ def _moe_from_hf(fam: str, cfg: dict, num_layers: int) -> MoeConfig | None:
             n_shared_experts=int(cfg.get("n_shared_experts") or 0),
         )
     return None
+
+
+def rope_params(cfg: dict) -> dict | None:
+    """The RoPE scaling parameters of a config.json: ``rope_scaling`` (older files) overlaid by
+    transformers 5's ``rope_parameters``; None when the type is default (plain RoPE)."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    kind = params.get("rope_type", params.get("type"))
+    if kind in (None, "default"):
+        return None
+    params["rope_type"] = kind
+    return params
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _mla_from_hf(cfg: dict, scaling: dict | None) -> MlaConfig:
+    """DeepSeek-V3's attention dimensions and softmax scale (YaRN's mscale_all_dim squared)."""
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling.get("mscale_all_dim"):
+        factor = _yarn_factor(cfg, scaling)
+        scale *= yarn_mscale(factor, float(scaling["mscale_all_dim"])) ** 2
+    q_rank = cfg.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        softmax_scale=scale,
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _yarn_factor(cfg: dict, scaling: dict) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", 2048)) / int(
+            scaling["original_max_position_embeddings"]
+        )
+    return float(factor)
 
 
 def _rotary_dim(fam: str, cfg: dict, head_dim: int) -> int:
@@ -193,12 +291,16 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if fam == "deepseek_v3":  # RoPE covers only the shared rope key (transformers' head_dim)
+            head_dim = int(cfg["qk_rope_head_dim"])
         num_layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
+        rope_scaling = rope_params(cfg)
+        if rope_scaling and not (fam == "deepseek_v3" and rope_scaling["rope_type"] == "yarn"):
             raise ModelLoadError(f"rope_scaling {rope_scaling!r} is not supported yet")
+        if rope_scaling:
+            rope_scaling["factor"] = _yarn_factor(cfg, rope_scaling)
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return ModelConfig(
             arch=fam,
@@ -207,7 +309,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=heads if fam == "deepseek_v3" else int(cfg.get("num_key_value_heads") or heads),
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta),
@@ -222,6 +324,8 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             eos_token_ids=eos_ids,
             rotary_dim=_rotary_dim(fam, cfg, head_dim),
             moe=_moe_from_hf(fam, cfg, num_layers),
+            mla=_mla_from_hf(cfg, rope_scaling) if fam == "deepseek_v3" else None,
+            rope_scaling=rope_scaling,
         )
     except KeyError as exc:
         raise ModelLoadError(f"config.json is missing required field {exc.args[0]!r}") from exc

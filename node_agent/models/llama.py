@@ -21,7 +21,9 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
     RMSNorm,
     prequantized_format,
 )
+from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from pagoda.node_agent.models.weight_bytes import weight_breakdown
 
 
@@ -32,27 +34,6 @@ def _to_device(v, device: torch.device):
     if isinstance(v, Fp8Weight):
         return Fp8Weight(v.weight.to(device), v.scale.to(device))
     return v.to(device)
-
-
-def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_len, rotary_dim] (the rotated part of a head: all of it unless partial RoPE)."""
-    dim = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    t = torch.arange(max_len, dtype=torch.float32)
-    freqs = torch.outer(t, inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on [T, H, D] with per-token cos/sin [T, R]: the first R dims of each head
-    rotate (as pairs i, i + R/2), the rest pass through (partial RoPE)."""
-    r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos[:, None, :] + rot.float() * sin[:, None, :]).to(x.dtype)
 
 
 class DecoderLayer:
@@ -75,12 +56,18 @@ class DecoderLayer:
                 w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, backend, group_size
             )
 
-        self.q_proj, self.k_proj, self.v_proj = (
-            lin("self_attn.q_proj"),
-            lin("self_attn.k_proj"),
-            lin("self_attn.v_proj"),
-        )
-        self.o_proj = lin("self_attn.o_proj")
+        self.mla: MlaAttention | None = None
+        if cfg.mla is not None:  # DeepSeek-V3: latent attention; no q/k/v projections
+            self.mla = MlaAttention(cfg, idx, p + "self_attn.", w, formats, dtype, backend, group_size)
+            self.q_proj = self.k_proj = self.v_proj = None
+            self.o_proj = self.mla.o_proj
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (
+                lin("self_attn.q_proj"),
+                lin("self_attn.k_proj"),
+                lin("self_attn.v_proj"),
+            )
+            self.o_proj = lin("self_attn.o_proj")
         self.mlp: DenseMLP | MoeMLP
         self.gate_proj = self.up_proj = self.down_proj = None  # a dense MLP's layers, by name
         if cfg.is_sparse(idx):
@@ -97,6 +84,8 @@ class DecoderLayer:
 
     def linears(self) -> list[PhaseLinear]:
         """Attention, dense-MLP and shared-expert linear layers (not the routed experts)."""
+        if self.mla is not None:
+            return [*self.mla.linears(), *self.mlp.linears()]
         return [self.q_proj, self.k_proj, self.v_proj, self.o_proj, *self.mlp.linears()]
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: str):
@@ -113,6 +102,9 @@ class DecoderLayer:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, phase: str
     ) -> torch.Tensor:
         cfg = self.cfg
+        if self.mla is not None:
+            x = x + self.mla(self.input_norm(x), cos, sin, b, phase)
+            return x + self.mlp(self.post_norm(x), phase)
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
         cache = b.kv.layer_cache(self.idx)
         scales = b.kv.layer_scales(self.idx)

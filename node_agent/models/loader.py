@@ -21,13 +21,13 @@ import torch
 from pagoda.node_agent.models.cache import read_cache, write_cache
 from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
 from pagoda.node_agent.models.config import (
-    ATTENTION_NAMES,
     GGUF_MOE_ARCHITECTURES,
     MLP_NAMES,
     MOE_FAMILIES,
     NORM_NAMES,
     ModelConfig,
     ModelLoadError,
+    attention_weight_names,
     config_from_hf,
     family_of,
 )
@@ -285,7 +285,7 @@ def required_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> list
     need = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        need += [p + n + ".weight" for n in ATTENTION_NAMES + NORM_NAMES]
+        need += [p + n + ".weight" for n in attention_weight_names(cfg) + NORM_NAMES]
         if not cfg.is_sparse(i):
             need += [p + n + ".weight" for n in MLP_NAMES]
             continue

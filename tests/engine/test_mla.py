@@ -1,0 +1,186 @@
+"""A tiny random-weight DeepSeek-V3 (multi-head latent attention, YaRN RoPE, grouped sigmoid MoE
+with a shared expert) saved by transformers runs in the engine over latent KV pages: logits and
+greedy output match transformers, through batching, chunked prefill, preemption and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+from pagoda.node_agent.engine.kv_pool import KVPagePool
+from pagoda.node_agent.engine.kv_setup import kv_components
+from pagoda.node_agent.engine.llm_engine import LLMEngine
+from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.models.mla import MlaAttention
+from pagoda.node_agent.models.moe import MoeMLP
+
+# float32 end to end; the absorbed form (W_UK folded into q, W_UV after attention) and the paged
+# gathers reorder sums, nothing else differs.
+MAX_ABS_LOGIT_DIFF = 1e-3
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog and keeps running through the forest.",
+    "Latent attention stores one compressed vector per token.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+]
+LORA = dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+
+
+def _hf_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=49152,  # the built-in tokenizer's
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        **LORA,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory, builtin_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_config()).float().eval()
+    for layer in model.model.layers:  # routers that matter (transformers zero-initialises them)
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            torch.nn.init.normal_(gate.weight, std=0.5)
+            gate.e_score_correction_bias.normal_(std=0.2)
+    path = tmp_path_factory.mktemp("deepseek_v3")
+    model.save_pretrained(path, safe_serialization=True)
+    builtin_tokenizer._tok.save_pretrained(path)
+    engine = _engine(path)
+    return model, engine, path
+
+
+def _engine(path, **kw) -> LLMEngine:
+    kw.setdefault("kv_memory", 4 << 20)
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(), **kw))
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_structure_and_latent_pages(tiny_mla):
+    _, engine, _ = tiny_mla
+    mc = engine.model_config
+    assert mc.arch == "deepseek_v3" and mc.mla.q_lora_rank == 24 and mc.rope_scaling["rope_type"] == "yarn"
+    assert [isinstance(layer.mlp, MoeMLP) for layer in engine.model.layers] == [False, True, True]
+    assert all(isinstance(layer.mla, MlaAttention) for layer in engine.model.layers)
+    assert kv_components(mc) == {"latent": (1, 32), "rope_k": (1, 8)}
+    assert engine.pool.layers[0]["latent"].shape[1:] == (engine.pool.page_size, 1, 32)
+    # softmax scale: (16 + 8) ** -0.5 * (0.1 * ln 4 + 1) ** 2
+    assert mc.mla.softmax_scale == pytest.approx(
+        24**-0.5 * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2
+    )
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_logits_match_transformers(tiny_mla, phase):
+    model, engine, _ = tiny_mla
+    ids = engine.tokenize(PROMPTS[1] * 3)
+    assert len(ids) > 2 * engine.pool.page_size  # spans several pages
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0].float()
+    got = engine.score(ids, phase=phase)
+    diff = (got - want).abs().max().item()
+    assert diff <= MAX_ABS_LOGIT_DIFF, f"max |logit diff| {diff}"
+    assert want.std().item() > 0.05  # the logits are not flat (the check above could not pass trivially)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(tiny_mla) -> list[list[int]]:
+    """transformers' greedy continuations of PROMPTS."""
+    model, engine, _ = tiny_mla
+    return [_hf_greedy(model, engine.tokenize(p), PARAMS.max_tokens) for p in PROMPTS]
+
+
+def test_greedy_batched_matches_transformers(tiny_mla, hf_outputs):
+    _, engine, _ = tiny_mla
+    rids = [engine.add_request(engine.tokenize(p), PARAMS) for p in PROMPTS]  # one batch
+    final = engine.run_until_done()
+    assert [final[r].token_ids for r in rids] == hf_outputs
+
+
+def test_chunked_prefill_and_preemption_keep_greedy_output(tiny_mla, hf_outputs):
+    _, engine, path = tiny_mla
+    prompts = [engine.tokenize(p) for p in PROMPTS]
+    mc = engine.model_config
+    per_page = KVPagePool.bytes_per_page(mc.num_layers, 16, kv_components(mc), torch.float32)
+    # ~8 pages for the four sequences at full length; 4 force decode to preempt, 16-token chunks
+    small = _engine(path, kv_memory=4 * per_page, max_num_batched_tokens=16, enable_prefix_caching=False)
+    rids = [small.add_request(ids, PARAMS) for ids in prompts]
+    final = small.run_until_done()
+    assert small.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
+    assert [final[r].token_ids for r in rids] == hf_outputs
+    small.pool.check_idle()
+
+
+def test_cli_generate_matches_transformers(tiny_mla, capsys):
+    from pagoda.node_agent.cli.main import main
+
+    model, engine, path = tiny_mla
+    argv = ["generate", "--model", f"hf-dir://{path}", "--dtype", "float32", "--temperature", "0"]
+    argv += ["--max-tokens", "8", "--json", "--prompt", PROMPTS[0]]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    want = _hf_greedy(model, engine.tokenize(PROMPTS[0]), 8)
+    assert out["token_ids"] == want[: len(out["token_ids"])]
+    assert len(out["token_ids"]) == 8 or out["finish_reason"] == "stop"
+
+
+def test_plain_q_proj_and_rotate_half_rope_variant(tmp_path, builtin_tokenizer):
+    """q_lora_rank null (a plain q_proj), rope_interleave false and no RoPE scaling: logits match."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _hf_config()
+    cfg.q_lora_rank, cfg.rope_interleave, cfg.num_hidden_layers = None, False, 2
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    builtin_tokenizer._tok.save_pretrained(tmp_path)
+    engine = _engine(tmp_path)
+    mc = engine.model_config
+    assert mc.mla.q_lora_rank is None and not mc.mla.rope_interleave and mc.rope_scaling is None
+    assert mc.mla.softmax_scale == pytest.approx(24**-0.5)
+    ids = engine.tokenize(PROMPTS[1] * 2)
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0].float()
+    diff = (engine.score(ids, phase="decode") - want).abs().max().item()
+    assert diff <= MAX_ABS_LOGIT_DIFF, f"max |logit diff| {diff}"
