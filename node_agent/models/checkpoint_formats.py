@@ -9,7 +9,9 @@ Two ``quantization_config`` forms of config.json are understood:
     model in a wider dtype).
   * compressed-tensors ``pack-quantized`` W4A16 (Kimi K2's INT4 release; symmetric, group-wise):
     ``X.weight_packed`` int32 [N, K/8] (value 8c+i of a row in bits 4i..4i+3 of int32 c, stored
-    +8), ``X.weight_scale`` [N, K/g], ``X.weight_shape`` [2]. On a little-endian host the int32
+    +8; as compressed-tensors' ``pack_to_int32`` / ``unpack_from_int32`` in
+    compressors/quantized_compressors/pack_quantized.py write and read it), ``X.weight_scale``
+    [N, K/g], ``X.weight_shape`` [2]. On a little-endian host the int32
     words read as bytes are exactly kernels.int4's canonical packing (value 2j in the low nibble
     of byte j), so the packed tensor is used as is: no unpacking, no float detour.
 
