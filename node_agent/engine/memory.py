@@ -20,6 +20,7 @@ GiB = 1 << 30
 INT4_DEFAULT_GROUP = 128
 EMBEDDING = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
+DENSE_ALWAYS = ("self_attn.kv_b_proj.weight",)  # held in the compute dtype whatever the phase formats
 
 
 def fmt_bytes(n: float) -> str:
@@ -91,6 +92,8 @@ def estimate_weight_bytes(
                 add(head_format, linear_bytes(w, head_format, dtype))
         elif name == HEAD:
             add(head_format, linear_bytes(w, head_format, dtype))
+        elif name.endswith(DENSE_ALWAYS):  # MLA's kv_b_proj: dense in both phases (absorbed W_UK/W_UV)
+            add("bf16", linear_bytes(w, "bf16", dtype))
         elif name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"):
             add("fp32", _shape(w)[0] * 4)  # routers are float32
         elif prequantized_format(w) is None and not isinstance(w, torch.Tensor):

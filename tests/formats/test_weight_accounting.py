@@ -7,6 +7,7 @@ import torch
 
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
+from pagoda.node_agent.engine.memory import estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.models.weight_bytes import PARTS
 from tests.engine.test_moe_models import _hf_config
 
@@ -73,3 +74,35 @@ def test_moe_parts_and_formats(mixed_moe) -> None:
     assert wb["by_format"]["int4"] == linear_int4 + int4_experts
     assert 0 < wb["by_format"]["int4"] < 0.5 * wb["by_format"]["bf16"]
     assert wb["other"] > 2 * 8 * c.hidden_size * 4  # the routers (float32) are in "other"
+
+
+def test_mla_model_counts_every_checkpoint_tensor_once(tmp_path, builtin_tokenizer) -> None:
+    """A tiny DeepSeek-V3 in reference formats (float32): each checkpoint tensor is held once at 4 bytes
+    a value, latent attention (LoRA projections, their norms, kv_b_proj) under attention/other."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.test_mla import _hf_config as mla_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(mla_config()).float().save_pretrained(tmp_path, safe_serialization=True)
+    builtin_tokenizer._tok.save_pretrained(tmp_path)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=4 << 20
+        )
+    )
+    tensors = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    wb = engine.model.weight_bytes()
+    _consistent(wb)
+    assert wb["total"] == 4 * sum(t.numel() for t in tensors.values())
+    attn = [t for k, t in tensors.items() if ".self_attn." in k and t.dim() == 2]
+    assert wb["attention"] == 4 * sum(t.numel() for t in attn)
+    norms = [t for k, t in tensors.items() if k.endswith("norm.weight")]
+    routers = [t for k, t in tensors.items() if ".mlp.gate." in k]
+    assert wb["other"] == 4 * sum(t.numel() for t in norms + routers)
+    fp8 = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", formats=PhaseFormats("fp8", "bf16", "fp8", "bf16"))
+    )
+    est = estimate_weight_bytes(tensors, phase_weight_formats(fp8.config), torch.float32)
+    assert est.by_format == fp8.model.weight_bytes()["by_format"]  # kv_b_proj stays dense
