@@ -225,3 +225,79 @@ def test_fp8_latent_pages_are_calibrated_per_layer_and_component(tiny_mla, fp8_e
     kl = (want.exp() * (want - got)).sum(-1).mean().item()
     top1 = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert kl <= FP8_MAX_MEAN_KL and top1 >= FP8_MIN_TOP1, (kl, top1)
+
+
+def _prefill_payload(prefill: LLMEngine, ids: list[int]):
+    pid = prefill.add_request(ids, PARAMS, prefill_only=True)
+    out = prefill.run_until_done()[pid]
+    assert out.finish_reason == "prefilled" and out.kv_payload.kv_format == "bf16"
+    assert set(out.kv_payload.layers[0]) == {"latent", "rope_k"}
+    return out.kv_payload
+
+
+def test_latent_pages_migrate_and_hand_off_bf16_to_fp8(fp8_engines):
+    """The --role both engine migrates each prefilled sequence's latent pages into its fp8 decode
+    pool; a prefill worker's payload continued on a decode worker gives the same tokens."""
+    both, prefill, decode = fp8_engines
+    prompts = [both.tokenize(p) for p in PROMPTS]
+    rids = [both.add_request(ids, PARAMS) for ids in prompts]
+    want = both.run_until_done()
+    assert both.stats.migrations == len(PROMPTS)
+    for ids, rid in zip(prompts, rids, strict=True):
+        did = decode.add_prefilled(_prefill_payload(prefill, ids), PARAMS)
+        assert decode.run_until_done()[did].token_ids == want[rid].token_ids
+    decode.pool.check_idle()
+
+
+def test_latent_pages_cross_the_kv_transport(fp8_engines):
+    """A bf16 latent payload sent over the TCP KV transport to a decode worker's limits arrives
+    bit-exact and decodes as the in-process handoff does."""
+    import asyncio
+
+    from pagoda.node_agent.serving.internal_auth import InternalAuth
+    from pagoda.node_agent.serving.kv_limits import KVLimits
+    from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender
+
+    _, prefill, decode = fp8_engines
+    ids = decode.tokenize(PROMPTS[3])
+    sent = _prefill_payload(prefill, ids)
+    auth = InternalAuth("test-internal-token-0123456789")
+
+    async def transfer():
+        got = {}
+
+        async def handler(ticket, payload):
+            got[ticket] = payload
+
+        rx = TcpKVReceiver("127.0.0.1", 0, handler, auth, KVLimits.for_engine(decode), lambda t: None)
+        addr = await rx.start()
+        try:
+            await TcpKVSender(auth, timeout=30).send(addr, "t1", sent)
+        finally:
+            await rx.stop()
+        (payload,) = got.values()
+        return payload
+
+    received = asyncio.run(transfer())
+    for a, b in zip(sent.layers, received.layers, strict=True):
+        assert set(a) == set(b) and all(torch.equal(a[c], b[c]) for c in a)
+    outs = []
+    for payload in (sent, received):  # one after the other: they share a request id
+        rid = decode.add_prefilled(payload, PARAMS)
+        outs.append(decode.run_until_done()[rid].token_ids)
+    assert outs[1] == outs[0] and len(outs[0]) == PARAMS.max_tokens
+    decode.pool.check_idle()
+
+
+def test_a_payload_of_gqa_pages_is_refused_by_an_mla_decode_worker(fp8_engines):
+    from dataclasses import replace
+
+    from pagoda.node_agent.engine.sequence import RequestError
+
+    _, prefill, decode = fp8_engines
+    good = _prefill_payload(prefill, decode.tokenize(PROMPTS[0]))
+    n = good.num_pages
+    gqa = [{c: torch.zeros(n, 16, 4, 8) for c in ("k", "v")} for _ in good.layers]
+    with pytest.raises(RequestError, match="latent|rope_k|component"):
+        decode.add_prefilled(replace(good, layers=gqa), PARAMS)
+    decode.pool.check_idle()  # refused before anything was allocated
