@@ -98,6 +98,9 @@ def estimate_weight_bytes(
             add("fp32", _shape(w)[0] * 4)  # routers are float32
         elif prequantized_format(w) is None and not isinstance(w, torch.Tensor):
             add(dense, int(getattr(w, "nbytes", 0)))  # an object of unknown layout: as stored
+        elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in weights:
+            for fmt in held:  # a linear layer's bias: compute dtype beside a dense weight, else float32
+                add(fmt, _shape(w)[0] * (elem if fmt == "bf16" else 4))
         elif prequantized_format(w) is None and w.dim() < 2:  # type: ignore[attr-defined]
             add(dense, _shape(w)[0] * elem)  # norms and biases
         else:

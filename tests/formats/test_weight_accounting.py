@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
@@ -73,13 +76,18 @@ def test_moe_parts_and_formats(mixed_moe) -> None:
     assert wb["by_format"]["bf16"] == linear_bf16 + dense_experts + mixed_moe.model.lm_head.nbytes
     assert wb["by_format"]["int4"] == linear_int4 + int4_experts
     assert 0 < wb["by_format"]["int4"] < 0.5 * wb["by_format"]["bf16"]
+    # the load-time estimate from the checkpoint's shapes (biases with their linear layer) is exact here
+    tensors = {
+        k: v for f in Path(mixed_moe.config.model).glob("*.safetensors") for k, v in load_file(f).items()
+    }
+    est = estimate_weight_bytes(tensors, phase_weight_formats(mixed_moe.config), torch.float32)
+    assert est.by_format == wb["by_format"]
     assert wb["other"] > 2 * 8 * c.hidden_size * 4  # the routers (float32) are in "other"
 
 
 def test_mla_model_counts_every_checkpoint_tensor_once(tmp_path, builtin_tokenizer) -> None:
     """A tiny DeepSeek-V3 in reference formats (float32): each checkpoint tensor is held once at 4 bytes
     a value, latent attention (LoRA projections, their norms, kv_b_proj) under attention/other."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from tests.engine.test_mla import _hf_config as mla_config
