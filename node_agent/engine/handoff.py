@@ -23,9 +23,8 @@ class KVPayload:
     first_token: int
     page_size: int
     kv_format: str
-    layers: list[
-        dict[str, torch.Tensor]
-    ]  # per layer {component: [n, page, H, D]} ("k"/"v", MLA "latent"/"rope_k")
+    # per layer {component: [n, page, H, D]} on the CPU: "k"/"v", or MLA's "latent"/"rope_k"
+    layers: list[dict[str, torch.Tensor]]
     scales: list[dict[str, torch.Tensor]] | None = None  # FP8 per-head scales of the sender
     generator_state: torch.Tensor | None = None  # seeded sampling continues where it stopped
     num_cached_tokens: int = 0
