@@ -20,7 +20,9 @@ import math
 import torch
 from torch import Tensor
 
-from .paged_attention import _check_cache, _gather_seq
+from .dispatch import resolve
+from .fp8_format import raw_bytes
+from .paged_attention import _check_cache, _decode, _gather_seq
 
 
 def _attend(q_lat: Tensor, q_rope: Tensor, c: Tensor, kr: Tensor, scale: float, offset: int) -> Tensor:
@@ -42,12 +44,15 @@ def paged_mla_attention(
     scale: float,
     latent_scale: Tensor | None = None,
     rope_scale: Tensor | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """Ragged causal MLA: ``q_lat [T, H, R]``, ``q_rope [T, H, Dr]`` -> ``[T, H, R]`` in q_lat's dtype.
 
     Query i of sequence b sits at position ``context_lens[b] - q_len_b + i`` (its own latent is
     already written) and sees the positions <= its own: chunked prefill, cached prefixes and
-    decode (one query per sequence) alike. Softmax in float32; empty sequences give zeros."""
+    decode (one query per sequence) alike. Softmax in float32; empty sequences give zeros.
+    Backends: ``reference`` loops over the sequences; ``cpu`` (any other on any device) runs a step
+    whose queries are one per sequence as one batched masked softmax, and loops otherwise."""
     _check_cache(latent_cache, latent_scale, "latent_cache")
     _check_cache(rope_cache, rope_scale, "rope_cache")
     if (
@@ -64,6 +69,19 @@ def paged_mla_attention(
         raise ValueError(
             f"query shapes {tuple(q_lat.shape)} / {tuple(q_rope.shape)} do not match the caches' "
             f"latent {latent_cache.shape[3]} / rope {rope_cache.shape[3]} dims"
+        )
+    be = resolve("paged_mla_attention", q_lat.device, backend, supports=("cpu", "reference"))
+    if be == "cpu" and t == context_lens.numel() and t and bool((cu_q_lens.diff() == 1).all()):
+        return _decode_batched(
+            q_lat,
+            q_rope,
+            latent_cache,
+            rope_cache,
+            block_tables,
+            context_lens,
+            scale,
+            latent_scale,
+            rope_scale,
         )
     out = torch.zeros(q_lat.shape, dtype=torch.float32, device=q_lat.device)
     page_size = latent_cache.shape[1]
@@ -83,6 +101,43 @@ def paged_mla_attention(
     return out.to(q_lat.dtype)
 
 
+# Per chunk of sequences the gathered pages stay below this many bytes (as paged_attention's decode).
+_CHUNK_BYTES = 1 << 20
+
+
+def _gather_pages(cache: Tensor, pages: Tensor, scale: Tensor | None) -> Tensor:
+    """Whole pages -> float32 (through a byte view: fp8 lacks some indexing ops on the CPU)."""
+    return _decode(raw_bytes(cache).index_select(0, pages).view(cache.dtype), scale)
+
+
+def _decode_batched(q_lat, q_rope, latent_cache, rope_cache, tables, lens, scale, ls, rs) -> Tensor:
+    """One query per sequence: gather every sequence's pages at once (chunks of sequences), mask
+    the positions past each length, float32 softmax."""
+    bsz, h, r = q_lat.shape
+    page_size = latent_cache.shape[1]
+    lens = lens.to(q_lat.device).long()
+    max_len = int(lens.max())
+    if max_len == 0:
+        return torch.zeros_like(q_lat)
+    n_pages = math.ceil(max_len / page_size)
+    span = n_pages * page_size
+    chunk = max(1, _CHUNK_BYTES // (span * (r + rope_cache.shape[3]) * 4))
+    out = torch.empty(bsz, h, r, dtype=q_lat.dtype, device=q_lat.device)
+    for b0 in range(0, bsz, chunk):
+        b1 = min(bsz, b0 + chunk)
+        flat = tables[b0:b1, :n_pages].reshape(-1).long()
+        c = _gather_pages(latent_cache, flat, ls).view(b1 - b0, span, r)
+        kr = _gather_pages(rope_cache, flat, rs).view(b1 - b0, span, -1)
+        scores = torch.einsum("bhr,bkr->bhk", q_lat[b0:b1].float(), c)
+        scores += torch.einsum("bhd,bkd->bhk", q_rope[b0:b1].float(), kr)
+        scores *= scale
+        valid = torch.arange(span, device=q_lat.device)[None, :] < lens[b0:b1, None]
+        scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # empty sequences -> zeros
+        out[b0:b1] = torch.einsum("bhk,bkr->bhr", probs, c).to(q_lat.dtype)
+    return out
+
+
 def paged_mla_decode_attention(
     q_lat: Tensor,
     q_rope: Tensor,
@@ -93,6 +148,7 @@ def paged_mla_decode_attention(
     scale: float,
     latent_scale: Tensor | None = None,
     rope_scale: Tensor | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """One query per sequence (``q_lat [B, H, R]``): paged_mla_attention with unit query lengths."""
     cu = torch.arange(q_lat.shape[0] + 1, dtype=torch.int32)
@@ -107,4 +163,5 @@ def paged_mla_decode_attention(
         scale,
         latent_scale,
         rope_scale,
+        backend,
     )

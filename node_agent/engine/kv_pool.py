@@ -2,8 +2,9 @@
 counts, per-page generation tags, and the prefix-cache index of sealed pages.
 
 A page holds ``page_size`` tokens. What one token stores is generic: ``components`` maps a name to
-a per-token shape, ``{"k": (Hkv, D), "v": (Hkv, D)}`` for GQA models, ``{"latent": (1, C)}`` for a
-compressed-latent (MLA) model. Every allocation bumps the page's generation tag; block tables keep
+a per-token shape, ``{"k": (Hkv, D), "v": (Hkv, D)}`` for GQA models, ``{"latent": (1, R),
+"rope_k": (1, Dr)}`` for multi-head latent attention (DeepSeek-V3). FP8 pools keep a float32 scale
+per layer, component and head. Every allocation bumps the page's generation tag; block tables keep
 ``(page, expected_tag)`` so a stale mapping is detectable before a read.
 """
 

@@ -106,6 +106,7 @@ class MlaAttention:
             m.softmax_scale,
             ls,
             rs,
+            backend=b.kernel_backend,
         )
         o = torch.einsum("thr,hvr->thv", o_lat, self.w_uv.to(o_lat.dtype))  # W_UV after attention
         return self.o_proj(o.reshape(t, -1), phase)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels import mla_attention
 from pagoda.kernels.mla_attention import paged_mla_attention, paged_mla_decode_attention
 from pagoda.kernels.paged_attention import (
     calibrate_head_scales,
@@ -45,11 +46,12 @@ def _paged(seqs, num_pages, dtype=torch.float32, scales=(None, None)):
     return lat, rope, tables
 
 
-@pytest.mark.parametrize("q_lens", [(5, 9), (2, 1)])  # whole prompts; chunks after a cached prefix
-def test_absorbed_paged_mla_matches_decompressed_attention(q_lens):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("q_lens", [(5, 9), (2, 1), (1, 1)])  # prompts; chunks after a prefix; decode
+def test_absorbed_paged_mla_matches_decompressed_attention(q_lens, backend):
     g = torch.Generator().manual_seed(0)
     w_uk, w_uv = _weights(g)
-    lens = (5, 9) if q_lens == (5, 9) else (7, 10)
+    lens = (5, 9) if q_lens == (5, 9) else (7, 10)  # (1, 1): a decode step, batched on "cpu"
     seqs = [(torch.randn(n, R, generator=g), torch.randn(n, DR, generator=g)) for n in lens]
     lat, rope, tables = _paged(seqs, 8)
     t = sum(q_lens)
@@ -57,7 +59,15 @@ def test_absorbed_paged_mla_matches_decompressed_attention(q_lens):
     cu = torch.tensor([0, q_lens[0], t], dtype=torch.int32)
     scale = 0.3
     o_lat = paged_mla_attention(
-        torch.einsum("thd,hdr->thr", q_nope, w_uk), q_rope, lat, rope, tables, cu, torch.tensor(lens), scale
+        torch.einsum("thd,hdr->thr", q_nope, w_uk),
+        q_rope,
+        lat,
+        rope,
+        tables,
+        cu,
+        torch.tensor(lens),
+        scale,
+        backend=backend,
     )
     got = torch.einsum("thr,hvr->thv", o_lat, w_uv)
     for b, ((c, kr), n) in enumerate(zip(seqs, lens, strict=True)):
@@ -66,21 +76,26 @@ def test_absorbed_paged_mla_matches_decompressed_attention(q_lens):
         torch.testing.assert_close(got[s:e], want, atol=1e-5, rtol=1e-4)
 
 
-def test_decode_and_empty_sequences():
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_decode_and_empty_sequences(backend, monkeypatch):
+    monkeypatch.setattr(mla_attention, "_CHUNK_BYTES", 1)  # batched decode: one sequence per chunk
     g = torch.Generator().manual_seed(2)
     w_uk, _ = _weights(g)
     seqs = [(torch.randn(6, R, generator=g), torch.randn(6, DR, generator=g))] * 2
     lat, rope, tables = _paged(seqs, 6)
     q_lat = torch.einsum("thd,hdr->thr", torch.randn(2, H, DN, generator=g), w_uk)
     q_rope = torch.randn(2, H, DR, generator=g)
-    out = paged_mla_decode_attention(q_lat, q_rope, lat, rope, tables, torch.tensor([6, 0]), 0.5)
+    out = paged_mla_decode_attention(
+        q_lat, q_rope, lat, rope, tables, torch.tensor([6, 0]), 0.5, backend=backend
+    )
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     c, kr = seqs[0]
     probs = ((q_lat[0] @ c.T + q_rope[0] @ kr.T) * 0.5).softmax(-1)
     torch.testing.assert_close(out[0], probs @ c)
 
 
-def test_fp8_latent_pages_stay_close_and_convert_like_direct_writes():
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_fp8_latent_pages_stay_close_and_convert_like_direct_writes(backend):
     g = torch.Generator().manual_seed(3)
     seqs = [(torch.randn(11, R, generator=g), 3 * torch.randn(11, DR, generator=g))]
     lat, rope, tables = _paged(seqs, 4)
@@ -98,8 +113,10 @@ def test_fp8_latent_pages_stay_close_and_convert_like_direct_writes():
     assert torch.equal(f8[0].view(torch.uint8), lat8.view(torch.uint8))
     assert torch.equal(f8[1].view(torch.uint8), rope8.view(torch.uint8))
     q_lat, q_rope = torch.randn(1, H, R, generator=g), torch.randn(1, H, DR, generator=g)
-    want = paged_mla_decode_attention(q_lat, q_rope, lat, rope, tables, torch.tensor([11]), 0.25)
-    got = paged_mla_decode_attention(q_lat, q_rope, *f8, tables, torch.tensor([11]), 0.25, ls, rs)
+    want = paged_mla_decode_attention(
+        q_lat, q_rope, lat, rope, tables, torch.tensor([11]), 0.25, backend=backend
+    )
+    got = paged_mla_decode_attention(q_lat, q_rope, *f8, tables, torch.tensor([11]), 0.25, ls, rs, backend)
     # e4m3 keeps 3 mantissa bits (~2-3% RMS per value), sharpened by the softmax: measured 0.06;
     # a lost or swapped scale is off by ~1
     assert ((got - want).norm() / want.norm()).item() < 0.12
