@@ -301,3 +301,28 @@ def test_a_payload_of_gqa_pages_is_refused_by_an_mla_decode_worker(fp8_engines):
     with pytest.raises(RequestError, match="latent|rope_k|component"):
         decode.add_prefilled(replace(good, layers=gqa), PARAMS)
     decode.pool.check_idle()  # refused before anything was allocated
+
+
+def test_bad_mla_configs_and_missing_weights_fail_at_load(tiny_mla, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagoda.node_agent.models.config import ModelLoadError, config_from_hf
+    from pagoda.node_agent.models.loader import load_model
+
+    _, _, path = tiny_mla
+    raw = json.loads((path / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="qk_rope_head_dim even"):
+        config_from_hf(raw | {"qk_rope_head_dim": 7})
+    with pytest.raises(ModelLoadError, match="rope_scaling .* not supported"):
+        config_from_hf(raw | {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+    with pytest.raises(ModelLoadError, match="missing required field 'kv_lora_rank'"):
+        config_from_hf({k: v for k, v in raw.items() if k != "kv_lora_rank"})
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="kv_b_proj"):
+        load_model(f"hf-dir://{tmp_path}")
