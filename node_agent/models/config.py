@@ -237,6 +237,27 @@ def rope_params(cfg: dict) -> dict | None:
     return params
 
 
+# RoPE scalings every family takes: "linear" divides every frequency by ``factor``; "llama3" (Llama
+# 3.1+) divides only the low frequencies, with a smooth ramp between ``low_freq_factor`` and
+# ``high_freq_factor`` wavelengths of the original context
+LLAMA_ROPE_TYPES = ("linear", "llama3")
+
+
+def _check_llama_rope(p: dict) -> None:
+    """ModelLoadError unless a linear / llama3 scaling has the numbers it needs."""
+    need = ["factor"]
+    if p["rope_type"] == "llama3":
+        need += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    try:
+        values = [float(p[k]) for k in need]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"rope_scaling {p!r} needs numeric {', '.join(need)}") from exc
+    if any(v <= 0 for v in values) or (p["rope_type"] == "llama3" and values[1] >= values[2]):
+        raise ModelLoadError(
+            f"rope_scaling {p!r}: values must be positive (and low_freq_factor < high_freq_factor)"
+        )
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -297,10 +318,13 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = rope_params(cfg)
-        if rope_scaling and not (fam == "deepseek_v3" and rope_scaling["rope_type"] == "yarn"):
+        kind = rope_scaling["rope_type"] if rope_scaling else None
+        if kind is not None and not (kind in LLAMA_ROPE_TYPES or (fam == "deepseek_v3" and kind == "yarn")):
             raise ModelLoadError(f"rope_scaling {rope_scaling!r} is not supported yet")
-        if rope_scaling:
+        if kind == "yarn":
             rope_scaling["factor"] = _yarn_factor(cfg, rope_scaling)
+        elif kind is not None:
+            _check_llama_rope(rope_scaling)
         rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return ModelConfig(
             arch=fam,

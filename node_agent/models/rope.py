@@ -37,14 +37,30 @@ def _yarn_inv_freq(base: float, dim: int, p: dict) -> tuple[torch.Tensor, float]
     return inv, float(attn)
 
 
+def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: wavelengths longer than ``orig / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``orig / high_freq_factor`` kept, and the band between blended
+    linearly in ``orig / wavelength``."""
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    orig = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)  # 0: stretch fully, 1: keep
+    return (1 - smooth) * inv / factor + smooth * inv
+
+
 def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_len, rotary_dim] (the rotated part of a head: all of it unless partial RoPE)."""
     dim = cfg.rotary_dim
     scaling = cfg.rope_scaling
-    if scaling and scaling.get("rope_type") == "yarn":
+    kind = scaling.get("rope_type") if scaling else None
+    if kind == "yarn":
         inv, attn = _yarn_inv_freq(cfg.rope_theta, dim, scaling)
     else:
         inv, attn = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+        if kind == "linear":
+            inv = inv / float(scaling["factor"])
+        elif kind == "llama3":
+            inv = _llama3_inv_freq(inv, scaling)
     t = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     emb = torch.cat([freqs, freqs], dim=-1)

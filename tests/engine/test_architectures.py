@@ -1,5 +1,5 @@
-"""Tiny random-weight Llama, Mistral, Qwen2 and Qwen3 models saved by transformers load into the
-engine and match transformers' logits."""
+"""Tiny random-weight Llama, Mistral, Qwen2 and Qwen3 models (and Llama 3.1 / linear RoPE scaling)
+saved by transformers load into the engine and match transformers' logits."""
 
 from __future__ import annotations
 
@@ -33,17 +33,35 @@ def _configs():
         "mistral": MistralConfig(**COMMON, rope_theta=10000.0, sliding_window=None),
         "qwen2": Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=True),
         "qwen3": Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False),
+        # Llama 3.1-style and linear RoPE scaling (a small original context so the stretch matters)
+        "llama3_rope": LlamaConfig(
+            **COMMON,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "linear_rope": Qwen2Config(
+            **COMMON,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+        ),
     }
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "llama3_rope", "linear_rope"])
 def tiny_model(request, tmp_path_factory, builtin_tokenizer):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     cfg = _configs()[request.param]
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    if request.param == "qwen2":  # q/k/v biases are zero-initialised; make them matter
+    if request.param in ("qwen2", "linear_rope"):  # q/k/v biases are zero-initialised; make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
@@ -58,7 +76,7 @@ def tiny_model(request, tmp_path_factory, builtin_tokenizer):
 
 def test_logits_match_transformers(tiny_model):
     arch, model, engine = tiny_model
-    assert engine.model_config.arch == arch
+    assert engine.model_config.arch == {"llama3_rope": "llama", "linear_rope": "qwen2"}.get(arch, arch)
     ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
     assert len(ids) > engine.pool.page_size  # spans several pages
     with torch.inference_mode():
