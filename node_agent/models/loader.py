@@ -31,6 +31,12 @@ from pagoda.node_agent.models.config import (
     config_from_hf,
     family_of,
 )
+from pagoda.node_agent.models.gguf_names import (
+    GGUF_MOE_BASES,
+    GGUF_MOE_FAMILIES,
+    moe_config_from_gguf,
+    moe_tensor_to_hf,
+)
 from pagoda.node_agent.models.moe import expert_weight_names
 from pagoda.node_agent.models.quant_format import MANIFEST, assemble_quantized
 
@@ -156,7 +162,7 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
             f"{path}: GGUF models of architecture {arch!r} ({moe_name or arch}, mixture of experts) are not "
             "supported; serve its Hugging Face directory (hf-dir://) instead"
         )
-    fam = family_of(str(arch))
+    fam = GGUF_MOE_FAMILIES.get(str(arch)) or family_of(str(arch))
 
     def meta(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -190,6 +196,9 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        moe=moe_config_from_gguf(str(arch), meta, tensors, n_layers, str(path))
+        if str(arch) in GGUF_MOE_FAMILIES
+        else None,
     )
     weights: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -200,6 +209,10 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
                 f"{path}: cannot decode tensor {name} ({t.tensor_type.name}): {exc}"
             ) from exc
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        moe = _gguf_moe_tensor(name, arr)
+        if moe is not None:
+            weights.update(moe)
+            continue
         hf = _gguf_to_hf_name(name)
         if hf is None:
             log.debug("ignoring GGUF tensor %s", name)
@@ -211,6 +224,17 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         weights[hf] = torch.from_numpy(np.array(arr, copy=True))
     _check_weights(cfg, weights, str(path))
     return LoadedModel(source, cfg, weights, str(path.parent), path.name)
+
+
+def _gguf_moe_tensor(name: str, arr: np.ndarray) -> dict[str, torch.Tensor] | None:
+    """HF weights of a per-layer MoE tensor (router, stacked experts, shared experts), else None."""
+    if not name.startswith("blk."):
+        return None
+    _, idx, rest = name.split(".", 2)
+    base, _, suffix = rest.partition(".")
+    if base not in GGUF_MOE_BASES:
+        return None
+    return moe_tensor_to_hf(idx, base, suffix, torch.from_numpy(np.array(arr, copy=True)))
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

@@ -248,13 +248,13 @@ def test_gguf_moe_is_refused_naming_the_architecture(tmp_path):
     from pagoda.node_agent.models.config import ModelLoadError
     from pagoda.node_agent.models.loader import load_model
 
-    f = tmp_path / "tiny-qwen3moe.gguf"
-    w = gguf.GGUFWriter(str(f), "qwen3moe")
+    f = tmp_path / "tiny-glm4moe.gguf"  # qwen3moe GGUF loads now (tests/engine/test_gguf_moe.py)
+    w = gguf.GGUFWriter(str(f), "glm4moe")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="'qwen3moe' \\(Qwen3-MoE, mixture of experts\\).*hf-dir://"):
+    with pytest.raises(ModelLoadError, match="'glm4moe' \\(GLM-4.5/4.6 MoE, mixture of experts\\).*hf-dir://"):
         load_model(str(f))
 
 
