@@ -62,14 +62,15 @@ def write_cache(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) 
     if d is None:
         return None
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from pagoda.node_agent.models.gguf_names import gguf_tokenizer
 
     hf_logging.set_verbosity_error()
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(tmp)
+        gguf_tokenizer(str(path.parent), path.name).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
         (tmp / "pagoda_model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         (tmp / "complete").write_text("ok\n")

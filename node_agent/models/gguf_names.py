@@ -18,7 +18,10 @@ import torch
 from pagoda.node_agent.models.config import ModelLoadError, MoeConfig
 
 # GGUF `general.architecture` -> family, for the MoE families the GGUF loader reads.
-GGUF_MOE_FAMILIES = {"qwen3moe": "qwen3_moe"}
+GGUF_MOE_FAMILIES = {"qwen3moe": "qwen3_moe", "glm4moe": "glm4_moe"}
+# llama.cpp's `{arch}.expert_gating_func` values (gguf.ExpertGatingFuncType) and each family's router
+_GATING = {1: "softmax", 2: "sigmoid"}
+_FAMILY_GATING = {"qwen3moe": "softmax", "glm4moe": "sigmoid"}
 
 # Per-layer MoE tensors (GGUF base name -> HF name under ``model.layers.N.``)
 GGUF_MOE_LAYER_NAMES = {
@@ -26,6 +29,8 @@ GGUF_MOE_LAYER_NAMES = {
     "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    # GLM-4.5's post-attention RMSNorm: llama.cpp's tensor map names it ATTN_POST_NORM for glm4moe
+    "post_attention_norm": "post_attention_layernorm",
 }
 # Stacked experts [E, out, in] -> per-expert HF projections
 GGUF_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -43,15 +48,31 @@ def moe_config_from_gguf(
             f"{where}: GGUF metadata misses {arch}.expert_count, {arch}.expert_used_count or "
             f"{arch}.expert_feed_forward_length"
         )
+    gating = meta("expert_gating_func", None)
+    want = _FAMILY_GATING[arch]
+    if gating is not None and _GATING.get(int(gating)) != want:
+        raise ModelLoadError(f"{where}: {arch}.expert_gating_func {gating} is not {want} ({arch}'s router)")
     sparse = tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
-    # llama.cpp's qwen3moe graph always renormalizes the top-k weights (no key is written for it)
-    return MoeConfig(
+    if arch == "qwen3moe":  # llama.cpp's qwen3moe graph always renormalizes (no key is written for it)
+        return MoeConfig(
+            num_experts=int(experts),
+            top_k=int(used),
+            expert_intermediate_size=int(ffn),
+            sparse_layers=sparse,
+            router="softmax",
+            norm_topk_prob=bool(meta("expert_weights_norm", True)),
+        )
+    return MoeConfig(  # glm4moe: sigmoid scores + correction bias, grouped selection, shared experts
         num_experts=int(experts),
         top_k=int(used),
         expert_intermediate_size=int(ffn),
         sparse_layers=sparse,
-        router="softmax",
+        router="sigmoid_grouped",
         norm_topk_prob=bool(meta("expert_weights_norm", True)),
+        n_group=int(meta("expert_group_count", 1) or 1),
+        topk_group=int(meta("expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(meta("expert_weights_scale", 1.0)),
+        n_shared_experts=int(meta("expert_shared_count", 0)),
     )
 
 
@@ -68,3 +89,17 @@ def moe_tensor_to_hf(idx: str, base: str, suffix: str, arr: torch.Tensor) -> dic
             f"blk.{idx}.{base} must be a stacked [experts, out, in] tensor, got {tuple(arr.shape)}"
         )
     return {f"{p}mlp.experts.{e}.{proj}.{suffix}": arr[e] for e in range(arr.shape[0])}
+
+
+def gguf_tokenizer(model_dir: str, gguf_file: str):
+    """The transformers tokenizer of a GGUF file. transformers' AutoTokenizer reads the file's model
+    config first and refuses architectures it has no model for (glm4moe); the tokenizer.* metadata
+    it converts does not depend on them, so those go straight to the fast-tokenizer class."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
+    except ValueError as exc:
+        if "is not supported yet" not in str(exc):
+            raise
+        return PreTrainedTokenizerFast.from_pretrained(model_dir, gguf_file=gguf_file)

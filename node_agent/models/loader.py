@@ -171,7 +171,8 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         hidden = int(meta("embedding_length"))
         heads = int(meta("attention.head_count"))
         kv_heads = int(meta("attention.head_count_kv", heads))
-        n_layers = int(meta("block_count"))
+        # llama.cpp counts GLM's multi-token-prediction block(s) in block_count; they are not run
+        n_layers = int(meta("block_count")) - int(meta("nextn_predict_layers", 0))
         ffn = int(meta("feed_forward_length"))
     except TypeError as exc:
         raise ModelLoadError(f"{path}: GGUF metadata misses a required {arch}.* hyper-parameter") from exc
@@ -187,7 +188,8 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(meta("attention.key_length", hidden // heads)),
+        head_dim=(head_dim := int(meta("attention.key_length", hidden // heads))),
+        rotary_dim=int(meta("rope.dimension_count", head_dim)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         max_position=int(meta("context_length", 2048)),
@@ -202,6 +204,10 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
     )
     weights: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
+        block = name.split(".")[1] if name.startswith("blk.") else ""
+        if block.isdigit() and int(block) >= n_layers:
+            log.debug("ignoring GGUF tensor %s (multi-token-prediction block)", name)
+            continue
         try:
             arr = gguf.dequantize(t.data, t.tensor_type)
         except Exception as exc:

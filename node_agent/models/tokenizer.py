@@ -17,8 +17,12 @@ class Tokenizer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        self._tok = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+        if gguf_file:
+            from pagoda.node_agent.models.gguf_names import gguf_tokenizer
+
+            self._tok = gguf_tokenizer(model_dir, gguf_file)
+        else:
+            self._tok = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
 

@@ -48,18 +48,19 @@ def _q8_roundtrip(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).astype(np.float32)
 
 
-def _write_qwen3moe(model, path: Path, builtin_gguf: Path) -> None:
-    """What llama.cpp's Qwen3MoeModel converter writes: no q/k row permutation (NeoX RoPE), experts
-    stacked per projection. Layer 0's down-projection stack goes out as Q8_0; the transformers
-    model gets the dequantized values so both sides compute with the same weights."""
+def _write_gguf(model, path: Path, arch: str, builtin_gguf: Path) -> None:
+    """What llama.cpp's Qwen3MoeModel / Glm4MoeModel converters write: tensor names from gguf's own
+    tensor map, no q/k row permutation (NeoX RoPE), experts stacked per projection, GLM's
+    multi-token-prediction block counted in block_count. Layer 1's down-projection stack goes out
+    as Q8_0; the transformers model gets the dequantized values so both compute with the same weights."""
     import gguf
 
     cfg = model.config
-    arch = "qwen3moe"
     w = gguf.GGUFWriter(str(path), arch)
+    nextn = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) if arch == "glm4moe" else 0
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + nextn)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
@@ -67,84 +68,109 @@ def _write_qwen3moe(model, path: Path, builtin_gguf: Path) -> None:
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(cfg.num_experts if arch == "qwen3moe" else cfg.n_routed_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "glm4moe":
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_nextn_predict_layers(nextn)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _copy_tokenizer_fields(w, builtin_gguf)
 
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate": "ffn_gate_inp",
-    }
+    names = gguf.get_tensor_name_map(
+        {"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}[arch],
+        cfg.num_hidden_layers + nextn,
+    )
     ff = cfg.moe_intermediate_size
-    for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}."
-        for hf, gg in names.items():
-            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
-        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2*ff, hidden]: gate rows, then up rows
-        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :ff]))
-        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, ff:]))
-        down = sd[p + "mlp.experts.down_proj"]  # [E, hidden, ff]
-        if i == 0:
-            q, deq = _q8_roundtrip(down)
-            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            with torch.no_grad():
-                layer.mlp.experts.down_proj.copy_(torch.from_numpy(deq))
-        else:
-            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", down)
+    for hf, t in model.state_dict().items():
+        arr = t.detach().float().numpy()
+        if hf.endswith("mlp.experts.gate_up_proj"):  # [E, 2*ff, hidden]: gate rows, then up rows
+            p = names.get_name(hf.replace("gate_up_proj", "gate_proj.weight"), try_suffixes=(".weight",))
+            w.add_tensor(p, np.ascontiguousarray(arr[:, :ff]))
+            w.add_tensor(p.replace("ffn_gate_exps", "ffn_up_exps"), np.ascontiguousarray(arr[:, ff:]))
+            continue
+        if hf.endswith("mlp.experts.down_proj"):  # [E, hidden, ff]
+            p = names.get_name(hf + ".weight", try_suffixes=(".weight",))
+            if p.startswith("blk.1."):
+                q, deq = _q8_roundtrip(arr)
+                w.add_tensor(p, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                with torch.no_grad():
+                    t.copy_(torch.from_numpy(deq))
+            else:
+                w.add_tensor(p, arr)
+            continue
+        if hf.endswith("e_score_correction_bias"):  # the converter's rename to a ".bias" suffix
+            hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        p = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert p is not None, hf
+        w.add_tensor(p, arr)
+    if nextn:  # an MTP block as llama.cpp stores it (the engine must skip it)
+        b = cfg.num_hidden_layers
+        w.add_tensor(
+            f"blk.{b}.nextn.eh_proj.weight", np.ones((cfg.hidden_size, 2 * cfg.hidden_size), np.float32)
+        )
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(cfg.hidden_size, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen3moe_gguf(tmp_path_factory, builtin_loaded):
+@pytest.fixture(scope="module", params=["qwen3moe", "glm4moe"])
+def tiny_gguf(request, tmp_path_factory, builtin_loaded):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from pagoda.node_agent.models.loader import resolve_source
 
+    from .test_moe_models import _hf_config, _randomize_routing
+
+    arch = request.param
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**COMMON, num_experts=8)).float().eval()
-    for layer in model.model.layers:  # routers that matter
-        torch.nn.init.normal_(layer.mlp.gate.weight, std=0.5)
-    path = tmp_path_factory.mktemp("qwen3moe") / "tiny-qwen3moe.gguf"
-    _write_qwen3moe(model, path, resolve_source("builtin://smollm2-135m")[1])
+    if arch == "qwen3moe":  # every layer sparse: llama.cpp's qwen3moe has no dense layers
+        hf_cfg, family = Qwen3MoeConfig(**COMMON, num_experts=8), "qwen3_moe"
+    else:
+        hf_cfg, family = _hf_config("glm4_moe"), "glm4_moe"
+    model = AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    _randomize_routing(model, family)
+    path = tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf"
+    _write_gguf(model, path, arch, resolve_source("builtin://smollm2-135m")[1])
     engine = LLMEngine(
         EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=8 << 20)
     )
-    return model, engine
+    return arch, model, engine
 
 
-def test_qwen3moe_gguf_structure(tiny_qwen3moe_gguf):
-    _, engine = tiny_qwen3moe_gguf
+def test_gguf_moe_structure(tiny_gguf):
+    arch, _, engine = tiny_gguf
     mc = engine.model_config
-    assert mc.arch == "qwen3_moe" and mc.qk_norm and mc.head_dim == 16
+    assert mc.qk_norm and mc.head_dim == 16 and mc.num_layers == 3
     assert (mc.moe.num_experts, mc.moe.top_k, mc.moe.expert_intermediate_size) == (8, 2, 64)
-    assert mc.moe.router == "softmax" and mc.moe.norm_topk_prob
-    assert all(isinstance(layer.mlp, MoeMLP) for layer in engine.model.layers)
+    sparse = [isinstance(layer.mlp, MoeMLP) for layer in engine.model.layers]
+    if arch == "qwen3moe":
+        assert mc.arch == "qwen3_moe" and mc.moe.router == "softmax" and mc.moe.norm_topk_prob
+        assert sparse == [True, True, True]
+    else:
+        assert mc.arch == "glm4_moe" and mc.moe.router == "sigmoid_grouped" and mc.attention_bias
+        assert mc.rotary_dim == 8 and mc.moe.routed_scaling_factor == 2.5
+        assert (mc.moe.n_group, mc.moe.topk_group, mc.moe.n_shared_experts) == (4, 2, 1)
+        assert sparse == [False, True, True]
 
 
-def test_qwen3moe_gguf_logits_and_greedy_match_transformers(tiny_qwen3moe_gguf):
-    model, engine = tiny_qwen3moe_gguf
+def test_gguf_moe_logits_and_greedy_match_transformers(tiny_gguf):
+    arch, model, engine = tiny_gguf
     ids = engine.tokenize(PROMPT * 2)
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits[0].float()
     got = engine.score(ids, phase="prefill")
     diff = (got - want).abs().max().item()
-    assert diff <= MAX_ABS_LOGIT_DIFF, f"max |logit diff| {diff}"
+    assert diff <= MAX_ABS_LOGIT_DIFF, f"{arch}: max |logit diff| {diff}"
     assert want.std().item() > 0.1  # the comparison is not between near-zero logits
 
     ids = engine.tokenize(PROMPT)
@@ -154,11 +180,11 @@ def test_qwen3moe_gguf_logits_and_greedy_match_transformers(tiny_qwen3moe_gguf):
         out = model.generate(
             torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
         )
-    assert got_ids == out[0, len(ids) :].tolist()
+    assert got_ids == out[0, len(ids) :].tolist(), arch
 
 
-@pytest.mark.parametrize("arch, name", [("glm4moe", "GLM-4.5/4.6 MoE"), ("deepseek2", "DeepSeek-V3")])
-def test_unbuilt_gguf_moe_families_are_refused(tmp_path, arch, name):
+@pytest.mark.parametrize("arch, name", [("deepseek2", "DeepSeek-V3")])
+def test_unbuilt_gguf_moe_family_is_refused(tmp_path, arch, name):
     import gguf
 
     from pagoda.node_agent.models.config import ModelLoadError

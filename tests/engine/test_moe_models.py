@@ -248,13 +248,13 @@ def test_gguf_moe_is_refused_naming_the_architecture(tmp_path):
     from pagoda.node_agent.models.config import ModelLoadError
     from pagoda.node_agent.models.loader import load_model
 
-    f = tmp_path / "tiny-glm4moe.gguf"  # qwen3moe GGUF loads now (tests/engine/test_gguf_moe.py)
-    w = gguf.GGUFWriter(str(f), "glm4moe")
+    f = tmp_path / "tiny-deepseek2.gguf"  # qwen3moe/glm4moe GGUF load now (tests/engine/test_gguf_moe.py)
+    w = gguf.GGUFWriter(str(f), "deepseek2")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="'glm4moe' \\(GLM-4.5/4.6 MoE, mixture of experts\\).*hf-dir://"):
+    with pytest.raises(ModelLoadError, match="'deepseek2' \\(DeepSeek-V3, mixture of experts\\).*hf-dir://"):
         load_model(str(f))
 
 
