@@ -1,12 +1,15 @@
 """GGUF names of the mixture-of-experts families: llama.cpp's metadata keys and tensor names mapped
 onto the config and Hugging Face weight names the HF-directory path produces.
 
-Sources: the ``gguf`` package (``gguf/constants.py``: ``Keys.LLM`` for the ``{arch}.expert_*`` keys,
-``MODEL_TENSORS[MODEL_ARCH.QWEN3MOE]`` and ``TENSOR_NAMES`` for ``blk.N.ffn_gate_inp``,
-``ffn_{gate,up,down}_exps``, ``ffn_*_shexp``, ``exp_probs_b``; ``gguf/tensor_mapping.py`` for the HF
-name each comes from) and llama.cpp's ``convert_hf_to_gguf.py`` (``Qwen2MoeModel`` / ``Qwen3MoeModel``:
-experts stacked into one [E, out, in] tensor per projection, q/k rows written unpermuted because
-these families use NeoX-style RoPE). The round trip is checked in tests/engine/test_gguf_moe.py.
+Sources: the ``gguf`` package (``gguf/constants.py``: ``Keys.LLM`` for the ``{arch}.expert_*`` and
+``nextn_predict_layers`` keys, ``ExpertGatingFuncType``, ``MODEL_TENSORS[MODEL_ARCH.QWEN3MOE /
+GLM4_MOE]`` and ``TENSOR_NAMES`` for ``blk.N.ffn_gate_inp``, ``ffn_{gate,up,down}_exps``,
+``ffn_*_shexp``, ``exp_probs_b``; ``gguf/tensor_mapping.py`` for the HF name each comes from, e.g.
+GLM's ``post_attention_layernorm`` -> ``post_attention_norm``) and llama.cpp's ``convert_hf_to_gguf.py``
+(``Qwen2MoeModel`` / ``Qwen3MoeModel`` / ``Glm4MoeModel``: experts stacked into one [E, out, in]
+tensor per projection, ``e_score_correction_bias`` written as ``exp_probs_b.bias``, GLM's MTP
+block counted in ``block_count``, q/k rows unpermuted because these families use NeoX-style
+RoPE). The round trip is checked in tests/engine/test_gguf_moe.py.
 """
 
 from __future__ import annotations
