@@ -124,7 +124,7 @@ def _write_gguf(model, path: Path, arch: str, builtin_gguf: Path) -> None:
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "glm4moe"])
-def tiny_gguf(request, tmp_path_factory, builtin_loaded):
+def tiny_gguf(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     from pagoda.node_agent.models.loader import resolve_source
