@@ -320,7 +320,9 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = rope_params(cfg)
         kind = rope_scaling["rope_type"] if rope_scaling else None
-        if kind is not None and not (kind in LLAMA_ROPE_TYPES or (fam == "deepseek_v3" and kind == "yarn")):
+        # DeepSeek-V3 takes YaRN (its released scaling), every other family linear and llama3
+        allowed = ("yarn",) if fam == "deepseek_v3" else LLAMA_ROPE_TYPES
+        if kind is not None and kind not in allowed:
             raise ModelLoadError(f"rope_scaling {rope_scaling!r} is not supported yet")
         if kind == "yarn":
             rope_scaling["factor"] = _yarn_factor(cfg, rope_scaling)
