@@ -27,8 +27,9 @@ SUPPORTED_ARCHITECTURES = {
 # Families whose MLPs are (partly) mixtures of experts; loaded from Hugging Face directories only.
 MOE_FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 # GGUF `general.architecture` names of MoE families the GGUF loader still refuses, with a readable
-# name (qwen3moe and glm4moe load: node_agent/models/gguf_names.py).
-GGUF_MOE_ARCHITECTURES = {"deepseek2": "DeepSeek-V3"}
+# name (none now: qwen3moe, glm4moe and deepseek2 load, node_agent/models/gguf_names.py; other
+# architectures are refused as unsupported).
+GGUF_MOE_ARCHITECTURES: dict[str, str] = {}
 
 
 # Per-layer weights of a dense Llama-family block (HF names, without "model.layers.N." and ".weight")

@@ -34,6 +34,8 @@ from pagoda.node_agent.models.config import (
 from pagoda.node_agent.models.gguf_names import (
     GGUF_MOE_BASES,
     GGUF_MOE_FAMILIES,
+    join_kv_b,
+    mla_from_gguf,
     moe_config_from_gguf,
     moe_tensor_to_hf,
 )
@@ -167,10 +169,12 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
     def meta(key: str, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
+    mla, rope_scaling = mla_from_gguf(meta, str(path)) if fam == "deepseek_v3" else (None, None)
     try:
         hidden = int(meta("embedding_length"))
         heads = int(meta("attention.head_count"))
-        kv_heads = int(meta("attention.head_count_kv", heads))
+        # deepseek2 files say 1 (llama.cpp runs MLA as MQA); the engine's MLA has one latent per token
+        kv_heads = heads if mla is not None else int(meta("attention.head_count_kv", heads))
         # llama.cpp counts GLM's multi-token-prediction block(s) in block_count; they are not run
         n_layers = int(meta("block_count")) - int(meta("nextn_predict_layers", 0))
         ffn = int(meta("feed_forward_length"))
@@ -188,7 +192,9 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=(head_dim := int(meta("attention.key_length", hidden // heads))),
+        head_dim=(
+            head_dim := mla.qk_rope_head_dim if mla else int(meta("attention.key_length", hidden // heads))
+        ),
         rotary_dim=int(meta("rope.dimension_count", head_dim)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -201,8 +207,11 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         moe=moe_config_from_gguf(str(arch), meta, tensors, n_layers, str(path))
         if str(arch) in GGUF_MOE_FAMILIES
         else None,
+        mla=mla,
+        rope_scaling=rope_scaling,
     )
     weights: dict[str, torch.Tensor] = {}
+    split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> attn_k_b / attn_v_b
     for name, t in tensors.items():
         block = name.split(".")[1] if name.startswith("blk.") else ""
         if block.isdigit() and int(block) >= n_layers:
@@ -215,6 +224,9 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
                 f"{path}: cannot decode tensor {name} ({t.tensor_type.name}): {exc}"
             ) from exc
         arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if mla is not None and name.endswith((".attn_k_b.weight", ".attn_v_b.weight")):
+            split_kv_b.setdefault(block, {})[name.split(".")[2]] = torch.from_numpy(np.array(arr, copy=True))
+            continue
         moe = _gguf_moe_tensor(name, arr)
         if moe is not None:
             weights.update(moe)
@@ -228,6 +240,14 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         elif fam in ("llama", "mistral") and name.endswith("attn_k.weight"):
             arr = _unpermute_rope(arr, kv_heads)
         weights[hf] = torch.from_numpy(np.array(arr, copy=True))
+    for block, parts in split_kv_b.items():
+        if set(parts) != {"attn_k_b", "attn_v_b"}:
+            raise ModelLoadError(
+                f"{path}: blk.{block} has {sorted(parts)} but needs both attn_k_b and attn_v_b"
+            )
+        weights[f"model.layers.{block}.self_attn.kv_b_proj.weight"] = join_kv_b(
+            parts["attn_k_b"], parts["attn_v_b"], mla, f"{path}: blk.{block}"
+        )
     _check_weights(cfg, weights, str(path))
     return LoadedModel(source, cfg, weights, str(path.parent), path.name)
 

@@ -242,19 +242,20 @@ def test_quantize_refuses_moe_models_before_loading_weights(tiny_moe, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_gguf_moe_is_refused_naming_the_architecture(tmp_path):
+def test_unknown_gguf_moe_architecture_is_refused_naming_it(tmp_path):
     import gguf
 
     from pagoda.node_agent.models.config import ModelLoadError
     from pagoda.node_agent.models.loader import load_model
 
-    f = tmp_path / "tiny-deepseek2.gguf"  # qwen3moe/glm4moe GGUF load now (tests/engine/test_gguf_moe.py)
-    w = gguf.GGUFWriter(str(f), "deepseek2")
+    # qwen3moe, glm4moe and deepseek2 GGUF files load (tests/engine/test_gguf_moe.py)
+    f = tmp_path / "tiny-qwen2moe.gguf"
+    w = gguf.GGUFWriter(str(f), "qwen2moe")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="'deepseek2' \\(DeepSeek-V3, mixture of experts\\).*hf-dir://"):
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'qwen2moe'"):
         load_model(str(f))
 
 
