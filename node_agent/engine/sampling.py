@@ -11,6 +11,10 @@ import torch
 
 from pagoda.node_agent.engine.sequence import Sequence
 
+# Below this, float32 logits / temperature overflow (a subnormal temperature even rounds to 0);
+# every temperature this small picks the top token anyway, so it is used in their place.
+MIN_TEMPERATURE = 1e-30
+
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick one token per row of ``logits`` [B, V] following each sequence's parameters."""
@@ -20,7 +24,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         p = seq.params
         if p.greedy:
             continue
-        row = logits[i] / p.temperature
+        row = logits[i] - logits[i].max()  # <= 0 everywhere: no +inf, so no NaN, at any temperature
+        row = row / max(p.temperature, MIN_TEMPERATURE)
         if p.top_k and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

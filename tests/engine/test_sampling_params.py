@@ -62,3 +62,16 @@ def test_extreme_seeds_give_distinct_streams_modulo_2_64():
     """Seeds are taken modulo 2**64 (-1 and 2**64 - 1 are one stream); distinct residues differ."""
     states = {bytes(Sequence("r", [1], SamplingParams(seed=s)).generator.get_state()) for s in EXTREME_SEEDS}
     assert len(states) == len({s % 2**64 for s in EXTREME_SEEDS}) == len(EXTREME_SEEDS) - 2
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-45, 1e-40, 1e-30, 1e-8])
+@pytest.mark.parametrize("seed", [None, 3])
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.5)])
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(temperature, seed, top_k, top_p):
+    """Any accepted temperature samples: a subnormal one once made NaN probabilities (a 500 the API
+    fuzz test found); at these temperatures the draw is the top token."""
+    params = SamplingParams(max_tokens=1, temperature=temperature, seed=seed, top_k=top_k, top_p=top_p)
+    params.validate()
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
+    seqs = [Sequence("a", [1], params), Sequence("b", [1], params)]
+    assert sample(logits, seqs) == logits.argmax(dim=-1).tolist()
