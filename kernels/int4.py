@@ -3,12 +3,14 @@
 Canonical layout (what ``pagoda quantize`` stores and the reference/Triton paths read):
   * ``packed``  uint8 [N, K//2]: weight k = 2j in the low nibble of byte j, k = 2j+1 in the high one;
   * ``scales``  float32 [N, K//group];
-  * ``zeros``   uint8 [N, K//group] integer zero points 0..15 (asymmetric), or None (symmetric: 8).
-Dequantized weight: ``(q - zero) * scale``.
+  * ``zeros``   uint8 [N, K//group] integer zero points 0..15 (asymmetric), or None (symmetric: 8);
+  * ``mins``    float32 [N, K//group] float offsets instead of integer zero points, or None.
+Dequantized weight: ``(q - zero) * scale``, or ``q * scale + min`` when ``mins`` is set: the float
+zero of GGUF Q4_1 (and of Q4_0, with ``min = -8 * scale``), which holds such blocks exactly.
 
 The CPU backend uses torch's int4pack layout (``_convert_weight_to_int4pack_for_cpu``), whose
-dequant is ``(q - 8) * s + z'``; ours maps onto it exactly with ``s = scale`` and
-``z' = (8 - zero) * scale``. N is padded to a multiple of 16 (a requirement of that op).
+dequant is ``(q - 8) * s + z'``; ours maps onto it with ``s = scale`` and ``z' = offset + 8 * scale``
+(``offset`` = ``-zero * scale`` or ``min``). N is padded to a multiple of 16 (a requirement of that op).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Int4Weight:
     packed: Tensor | None
     scales: Tensor | None
     zeros: Tensor | None
+    mins: Tensor | None = None
     _cpu: dict[torch.dtype, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
 
     @property
@@ -75,18 +78,27 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        total = sum(t.nbytes for t in (self.packed, self.scales, self.zeros) if t is not None)
+        total = sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.mins) if t is not None)
         for packed, sz in self._cpu.values():
             total += packed.nbytes + sz.nbytes
         return total
 
     @property
     def zero_points(self) -> Tensor:
-        """Zero points as float32 [N, K//group] (8 for symmetric weights)."""
+        """Integer zero points as float32 [N, K//group] (8 for symmetric weights)."""
         self._need_canonical()
+        if self.mins is not None:
+            raise ValueError("this INT4 weight has float offsets (mins), not integer zero points")
         if self.zeros is None:
             return torch.full_like(self.scales, 8.0)
         return self.zeros.float()
+
+    def offsets(self) -> Tensor:
+        """float32 [N, K//group] with ``w = q * scale + offset`` for every form of zero."""
+        self._need_canonical()
+        if self.mins is not None:
+            return self.mins.float()
+        return -self.zero_points * self.scales.float()
 
     def _need_canonical(self) -> None:
         if self.packed is None:
@@ -100,7 +112,7 @@ class Int4Weight:
             npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
             q = unpack_nibbles(self.packed).to(torch.int32)
             s = self.scales.float()
-            z = (8.0 - self.zero_points) * s
+            z = self.offsets() + 8.0 * s
             if npad != n:
                 q = F.pad(q, (0, 0, 0, npad - n), value=8)
                 s = F.pad(s, (0, 0, 0, npad - n))
@@ -117,13 +129,14 @@ class Int4Weight:
             return
         self.cpu_layout(dtype)
         if not keep_canonical:
-            self.packed = self.scales = self.zeros = None
+            self.packed = self.scales = self.zeros = self.mins = None
 
     def _restore_canonical(self) -> None:
         """Recover canonical tensors from a cached CPU layout.
 
         Exact from a float32 layout (integer q and zero points survive unchanged); from a bf16
-        layout the scales come back rounded to bf16 (zero points are still exact).
+        layout the scales come back rounded to bf16 (integer zero points are still exact, float
+        offsets are rounded like the scales).
         """
         if not self._cpu:
             raise RuntimeError("canonical INT4 tensors were dropped and no CPU layout is cached")
@@ -136,10 +149,23 @@ class Int4Weight:
         q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, self.group_size, unit)
         q = (q.t()[:n] + 8.0).round().to(torch.uint8)
         s = sz[..., 0].t()[:n].contiguous()
-        zero = (8.0 - sz[..., 1].t()[:n] / s.clamp(min=_SCALE_FLOOR)).round().clamp(0, 15)
         self.packed = pack_nibbles(q)
         self.scales = s
+        if self.float_zero:
+            self.mins = (sz[..., 1].t()[:n] - 8.0 * s).contiguous()
+            return
+        zero = (8.0 - sz[..., 1].t()[:n] / s.clamp(min=_SCALE_FLOOR)).round().clamp(0, 15)
         self.zeros = None if self.symmetric else zero.to(torch.uint8)
+
+    @property
+    def float_zero(self) -> bool:
+        """Whether the weight keeps float offsets (``mins``) rather than integer zero points."""
+        return self._float_zero if self.mins is None else True
+
+    def __post_init__(self) -> None:
+        self._float_zero = self.mins is not None
+        if self.mins is not None and (self.zeros is not None or self.symmetric):
+            raise ValueError("an INT4 weight has either integer zero points or float mins, not both")
 
     def state(self) -> dict[str, Tensor]:
         """Canonical tensors for a safetensors file; see :meth:`meta` for the rest."""
@@ -147,6 +173,8 @@ class Int4Weight:
         d = {"packed": self.packed, "scales": self.scales}
         if self.zeros is not None:
             d["zeros"] = self.zeros
+        if self.mins is not None:
+            d["mins"] = self.mins
         return d
 
     def meta(self) -> dict[str, str]:
@@ -157,17 +185,23 @@ class Int4Weight:
             "in_features": str(self.in_features),
             "group_size": str(self.group_size),
             "symmetric": str(int(self.symmetric)),
+            "float_zero": str(int(self.float_zero)),
         }
 
     @classmethod
     def from_state(cls, d: dict[str, Tensor], meta: dict) -> Int4Weight:
         n, k, g = int(meta["out_features"]), int(meta["in_features"]), int(meta["group_size"])
         sym = str(meta.get("symmetric", "0")).lower() in ("1", "true")
-        packed, scales, zeros = d["packed"], d["scales"], d.get("zeros")
+        fz = str(meta.get("float_zero", "0")).lower() in ("1", "true")
+        packed, scales, zeros, mins = d["packed"], d["scales"], d.get("zeros"), d.get("mins")
         if packed.shape != (n, k // 2) or packed.dtype != torch.uint8:
             raise ValueError(f"packed must be uint8 {(n, k // 2)}, got {packed.dtype} {tuple(packed.shape)}")
         if scales.shape != (n, k // g):
             raise ValueError(f"scales must be {(n, k // g)}, got {tuple(scales.shape)}")
+        if fz:
+            if mins is None or zeros is not None or sym or mins.shape != scales.shape:
+                raise ValueError(f"a float-zero weight needs mins {(n, k // g)} and no zeros")
+            return cls(n, k, g, False, packed, scales.float(), None, mins.float())
         if (zeros is None) != sym:
             raise ValueError("zeros must be present exactly when the weight is asymmetric")
         return cls(n, k, g, sym, packed, scales.float(), None if zeros is None else zeros.to(torch.uint8))
@@ -217,7 +251,10 @@ def dequantize_int4(qw: Int4Weight) -> Tensor:
     qw._need_canonical()
     n, k, g = qw.out_features, qw.in_features, qw.group_size
     q = unpack_nibbles(qw.packed).float().reshape(n, k // g, g)
-    w = (q - qw.zero_points[..., None]) * qw.scales.float()[..., None]
+    if qw.mins is not None:
+        w = q * qw.scales.float()[..., None] + qw.mins.float()[..., None]
+    else:
+        w = (q - qw.zero_points[..., None]) * qw.scales.float()[..., None]
     return w.reshape(n, k)
 
 
@@ -236,7 +273,7 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         from .triton_int4 import int4_gemm
 
         qw._need_canonical()
-        out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias)
+        out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias, mins=qw.mins)
     elif be == "cpu":
         out = cpu_int4_mm(x2, qw).float()
         if bias is not None:

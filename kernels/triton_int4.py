@@ -33,7 +33,7 @@ def _int4_gemm_kernel(
     stride_ps,
     stride_pm,
     GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr,
+    ZERO_MODE: tl.constexpr,  # 0: symmetric (8), 1: integer zero points, 2: float mins
     DOT_IN_INPUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -54,16 +54,21 @@ def _int4_gemm_kernel(
         # One tile never straddles a group: BLOCK_K divides GROUP.
         group = k0 // GROUP
         scale = tl.load(scales_ptr + offs_n * stride_sn + group, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
+        if ZERO_MODE == 2:  # w = q * scale + min  ==  (q - (-min / scale)) * scale, kept exact below
+            offset = tl.load(zeros_ptr + offs_n * stride_sn + group, mask=n_mask, other=0.0).to(tl.float32)
+            zero = tl.zeros([BLOCK_N], dtype=tl.float32)
+        elif ZERO_MODE == 1:
             zero = tl.load(zeros_ptr + offs_n * stride_sn + group, mask=n_mask, other=0).to(tl.float32)
+            offset = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             zero = tl.full([BLOCK_N], 8.0, dtype=tl.float32)
+            offset = tl.zeros([BLOCK_N], dtype=tl.float32)
         byte = k0 // 2 + offs_j
         packed = tl.load(
             packed_ptr + offs_n[:, None] * stride_pn + byte[None, :], mask=n_mask[:, None], other=0
         )
-        w_even = ((packed & 0xF).to(tl.float32) - zero[:, None]) * scale[:, None]  # k = 2j
-        w_odd = ((packed >> 4).to(tl.float32) - zero[:, None]) * scale[:, None]  # k = 2j + 1
+        w_even = ((packed & 0xF).to(tl.float32) - zero[:, None]) * scale[:, None] + offset[:, None]  # k=2j
+        w_odd = ((packed >> 4).to(tl.float32) - zero[:, None]) * scale[:, None] + offset[:, None]  # 2j+1
         k_even = k0 + 2 * offs_j
         x_even = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + k_even[None, :], mask=m_mask[:, None], other=0.0
@@ -93,6 +98,7 @@ def int4_gemm(
     group_size: int,
     bias: Tensor | None = None,
     split_k: int | None = None,
+    mins: Tensor | None = None,
 ) -> Tensor:
     """``x [M, K] @ dequant(packed, scales, zeros).T (+ bias)`` -> ``[M, N]`` in ``x.dtype``."""
     m, k = x.shape
@@ -115,7 +121,7 @@ def int4_gemm(
         x,
         packed,
         scales,
-        zeros if zeros is not None else scales,
+        mins if mins is not None else zeros if zeros is not None else scales,
         part,
         m,
         n,
@@ -127,7 +133,7 @@ def int4_gemm(
         part.stride(0),
         part.stride(1),
         GROUP=group_size,
-        HAS_ZEROS=zeros is not None,
+        ZERO_MODE=2 if mins is not None else 1 if zeros is not None else 0,
         DOT_IN_INPUT=dot_in_input_dtype(x),
         BLOCK_M=block_m,
         BLOCK_N=block_n,

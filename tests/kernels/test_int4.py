@@ -155,3 +155,48 @@ def test_triton_int4_split_k(split_k):
     dev = [t.to(DEVICE) for t in (x, qw.packed, qw.scales, qw.zeros, b)]
     out = int4_gemm(dev[0], dev[1], dev[2], dev[3], 64, dev[4], split_k=split_k).cpu()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def _float_zero_case(n: int, k: int, g: int, seed: int = 0) -> tuple[Int4Weight, torch.Tensor]:
+    """A Q4_1-style weight: integer q, float scale and float min per group (fp16-representable)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3).half().float()
+    mins = (-torch.rand(n, k // g, generator=gen) * 0.1).half().float()
+    qw = Int4Weight(n, k, g, False, pack_nibbles(q), scales, None, mins)
+    w = (q.float().view(n, k // g, g) * scales[..., None] + mins[..., None]).view(n, k)
+    return qw, w
+
+
+def test_float_zero_dequantizes_exactly():
+    qw, w = _float_zero_case(24, 128, 32)
+    assert qw.float_zero and torch.equal(dequantize_int4(qw), w)
+    back = Int4Weight.from_state(qw.state(), qw.meta())
+    assert back.float_zero and torch.equal(back.mins, qw.mins) and torch.equal(dequantize_int4(back), w)
+    with pytest.raises(ValueError, match="not integer zero points"):
+        _ = qw.zero_points
+    with pytest.raises(ValueError, match="mins"):
+        Int4Weight.from_state({"packed": qw.packed, "scales": qw.scales}, qw.meta())
+    with pytest.raises(ValueError, match="either"):
+        Int4Weight(24, 128, 32, False, qw.packed, qw.scales, torch.zeros_like(qw.packed[:, :4]), qw.mins)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_float_zero_cpu_layout_fp32_and_restore(m):
+    qw, w = _float_zero_case(40, 256, 32, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    ref = x @ w.t()
+    torch.testing.assert_close(cpu_int4_mm(x, qw, torch.float32), ref, rtol=1e-5, atol=1e-5)
+    assert rel_err(int4_linear(x, qw, backend="cpu"), ref) < 1e-2  # bf16 compute on the fast path
+    qw.prepare("cpu", torch.float32, keep_canonical=False)
+    torch.testing.assert_close(dequantize_int4(qw), w, rtol=0, atol=1e-6)  # restored from the layout
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 17])
+def test_triton_int4_float_zero(m):
+    qw, w = _float_zero_case(48, 256, 32, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    qd = Int4Weight.from_state({kk: v.to(DEVICE) for kk, v in qw.state().items()}, qw.meta())
+    out = int4_linear(x.to(DEVICE), qd, backend="triton").cpu()
+    torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
