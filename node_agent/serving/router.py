@@ -1,11 +1,19 @@
 """The router (``--role router``): the OpenAI API in front of prefill and decode workers.
 
+Workers are static URLs (``--prefill-endpoints``/``--decode-endpoints``) and/or every address of
+DNS names (``--prefill-dns``/``--decode-dns``, e.g. headless Services: one worker per pod),
+re-resolved every ``--dns-refresh-seconds`` in the background (discovery.py): a pod that leaves
+DNS is dropped (its requests in flight finish), a new one is polled and joins.
+
 For each request it picks a decode worker (session affinity, then the most free KV capacity) and
 opens its token stream, then picks a prefill worker (session affinity, then the longest prefix the
 router has sent it before, then the lightest load) and asks it to prefill and hand the KV pages to
-that decode worker; tokens stream back through the router. A worker that fails a health poll or a
-request is skipped until its ``/internal/state`` answers ready again; clients whose stream breaks
-get an error event at once.
+that decode worker; tokens stream back through the router. Session affinity is rendezvous hashing
+of the ``x-session-affinity`` key over the ready workers of the role (hashing.py): router replicas
+that see the same workers agree without sharing state, and a worker leaving moves only its own
+sessions. A worker that fails a health poll or a request is skipped until its ``/internal/state``
+answers ready again; one that is draining or cannot be connected to (nothing was sent) is retried
+on another worker of its role; clients whose stream breaks get an error event at once.
 
 Every internal call carries the internal token's proof (internal_auth.py); the decode worker's
 grant for its ticket is forwarded to the prefill worker. ``open_all`` admits a request's choices
@@ -28,9 +36,11 @@ from typing import Any
 
 import httpx
 
+from pagoda.node_agent.serving import hashing
 from pagoda.node_agent.serving.async_engine import RequestFailed
 from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
 from pagoda.node_agent.serving.disagg_worker import params_to_json
+from pagoda.node_agent.serving.discovery import DnsTarget, DnsWatch, Resolver, resolve
 from pagoda.node_agent.serving.internal_auth import InternalAuth
 from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S
 from pagoda.node_agent.serving.metrics import ServeMetrics
@@ -40,7 +50,8 @@ log = logging.getLogger("pagoda.router")
 
 PREFIX_CHUNK_CHARS = 64
 PREFIX_INDEX_SIZE = 65536
-SESSION_TABLE_SIZE = 65536
+ATTEMPTS = 3  # workers of one role tried for one request (draining or unreachable ones are skipped)
+RULES = ("affinity", "prefix", "capacity", "load")
 
 
 @dataclass
@@ -53,6 +64,9 @@ class RouterSettings:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 120.0
     max_inflight: int = 256  # requests (choices) open through this router at once
+    prefill_dns: list[DnsTarget] = field(default_factory=list)
+    decode_dns: list[DnsTarget] = field(default_factory=list)
+    dns_refresh_s: float = 5.0
 
 
 @dataclass
@@ -87,18 +101,39 @@ def prefix_keys(req: GenRequest) -> list[bytes]:
 class Router:
     """A Backend for the API server that generates through prefill and decode workers."""
 
-    def __init__(self, settings: RouterSettings, metrics: ServeMetrics, auth: InternalAuth) -> None:
-        if not settings.prefill or not settings.decode:
-            raise ValueError("the router needs --prefill-endpoints and --decode-endpoints")
+    def __init__(
+        self,
+        settings: RouterSettings,
+        metrics: ServeMetrics,
+        auth: InternalAuth,
+        resolver: Resolver = resolve,
+    ) -> None:
+        for role, urls, names in (
+            ("prefill", settings.prefill, settings.prefill_dns),
+            ("decode", settings.decode, settings.decode_dns),
+        ):
+            if not urls and not names:
+                raise ValueError(f"the router needs --{role}-endpoints or --{role}-dns")
+        if not settings.dns_refresh_s > 0:
+            raise ValueError(f"--dns-refresh-seconds must be > 0, got {settings.dns_refresh_s}")
         self.settings = settings
         self.metrics = metrics
         self.auth = auth
         self.inflight = 0  # admitted choices not yet finished
-        self.prefill = [Worker(u.rstrip("/"), "prefill") for u in settings.prefill]
-        self.decode = [Worker(u.rstrip("/"), "decode") for u in settings.decode]
-        self.sessions: OrderedDict[tuple[str, str], Worker] = OrderedDict()
+        self.static = {
+            "prefill": list(dict.fromkeys(u.rstrip("/") for u in settings.prefill)),
+            "decode": list(dict.fromkeys(u.rstrip("/") for u in settings.decode)),
+        }
+        self.prefill = [Worker(u, "prefill") for u in self.static["prefill"]]
+        self.decode = [Worker(u, "decode") for u in self.static["decode"]]
+        names = {"prefill": settings.prefill_dns, "decode": settings.decode_dns}
+        self.dns = DnsWatch(names, self._dns_error, resolver) if any(names.values()) else None
+        for role, targets in names.items():
+            for t in targets:
+                metrics.dns_errors.labels(metrics.pool, role, str(t))
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task | None = None
+        self._discovery: asyncio.Task | None = None
         metrics.worker_ready.source = lambda: {(w.url, w.role): w.ready for w in self.prefill + self.decode}
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,15 +145,64 @@ class Router:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         await self.poll()
+        await self.discover()
         self._health = asyncio.create_task(self._health_loop(), name="pagoda-router-health")
+        if self.dns is not None:
+            self._discovery = asyncio.create_task(self._dns_loop(), name="pagoda-router-dns")
 
     async def stop(self) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        for task in (self._health, self._discovery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._client is not None:
             await self._client.aclose()
+
+    async def _dns_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.dns_refresh_s)
+            try:
+                await self.discover()
+            except Exception:
+                log.exception("worker discovery failed")
+
+    async def discover(self) -> None:
+        """Re-resolve the DNS names: workers that left are dropped (requests in flight on them finish),
+        new ones are polled once and join with a fresh state; static URLs always stay."""
+        if self.dns is None:
+            return
+        found = await self.dns.refresh()
+        for role in ("prefill", "decode"):
+            current: list[Worker] = getattr(self, role)
+            want = list(dict.fromkeys(self.static[role] + sorted(found[role])))
+            have = {w.url: w for w in current}
+            new = {u: Worker(u, role) for u in want if u not in have}
+            if new:
+                await asyncio.gather(*(self._poll_one(w) for w in new.values()))
+                for w in new.values():
+                    log.info("%s worker %s joined (DNS); ready: %s", role, w.url, w.ready)
+            keep = set(want)
+            for w in current:
+                if w.url not in keep:
+                    log.info("%s worker %s left DNS: dropped (its requests in flight finish)", role, w.url)
+                    self._forget(w)
+            setattr(self, role, [have.get(u) or new[u] for u in want])
+
+    def _forget(self, w: Worker) -> None:
+        """Drop a departed worker's per-worker metric series (pod addresses come and go)."""
+        m = self.metrics
+        for rule in RULES:
+            with contextlib.suppress(KeyError):
+                m.routed.remove(m.pool, w.url, rule)
+
+    def _dns_error(self, role: str, target: DnsTarget, exc: Exception) -> None:
+        known = len(self.dns.known.get((role, target), ())) if self.dns is not None else 0
+        log.warning(
+            "%s DNS name %s did not resolve (%r); keeping its last %d address(es)", role, target, exc, known
+        )
+        m = self.metrics
+        m.dns_errors.labels(m.pool, role, str(target)).inc()
 
     async def _health_loop(self) -> None:
         while True:
@@ -135,6 +219,8 @@ class Router:
             r = await self._send("GET", w.url + "/internal/state", timeout=2.0)
             if r.status_code in (401, 403):
                 w.mark_down(f"it refused the internal token ({r.status_code}): check the shared token")
+            if _draining(r.status_code, r.content):
+                w.mark_down("it is draining (shutting down)")
             state = r.json() if r.status_code == 200 else {}
         except (httpx.HTTPError, ValueError) as exc:
             w.mark_down(repr(exc))
@@ -163,9 +249,15 @@ class Router:
         }
 
     def _pick(
-        self, workers: list[Worker], role: str, req: GenRequest, keys: list[bytes] | None
+        self,
+        workers: list[Worker],
+        role: str,
+        req: GenRequest,
+        keys: list[bytes] | None,
+        skip: frozenset[str] | set[str] = frozenset(),
     ) -> tuple[Worker, str]:
-        ready = [w for w in workers if w.ready]
+        """A ready worker not in ``skip`` (URLs already tried for this request), and the rule that chose it."""
+        ready = [w for w in workers if w.ready and w.url not in skip]
         if not ready:
             raise retry_later(
                 503,
@@ -173,10 +265,7 @@ class Router:
                 "no_worker",
             )
         if self.settings.session_affinity and req.session:
-            w = self.sessions.get((role, req.session))
-            if w is not None and w.ready:
-                self.sessions.move_to_end((role, req.session))
-                return w, "affinity"
+            return hashing.pick(req.session, ready, lambda w: w.url), "affinity"
         if keys:
             best, depth = None, 0
             for w in ready:
@@ -193,12 +282,8 @@ class Router:
             return max(ready, key=lambda w: (w.kv_free_tokens - 64 * w.inflight, -w.inflight)), "capacity"
         return min(ready, key=lambda w: w.inflight), "load"
 
-    def _remember(self, w: Worker, role: str, req: GenRequest, keys: list[bytes] | None) -> None:
-        if self.settings.session_affinity and req.session:
-            self.sessions[(role, req.session)] = w
-            self.sessions.move_to_end((role, req.session))
-            while len(self.sessions) > SESSION_TABLE_SIZE:
-                self.sessions.popitem(last=False)
+    def _remember(self, w: Worker, keys: list[bytes] | None) -> None:
+        """The prompt prefixes now cached on prefill worker ``w``."""
         for k in keys or []:
             w.prefixes[k] = None
             w.prefixes.move_to_end(k)
@@ -278,30 +363,12 @@ class Router:
         t0 = time.perf_counter()
         rid = req.request_id or uuid.uuid4().hex
         keys = prefix_keys(req) if self.settings.prefix_aware else None
-        dec, rule_d = self._pick(self.decode, "decode", req, None)
-        pre, rule_p = self._pick(self.prefill, "prefill", req, keys)
         m = self.metrics
-        m.routed.labels(m.pool, dec.url, rule_d).inc()
-        m.routed.labels(m.pool, pre.url, rule_p).inc()
-        dec.inflight += 1
-        pre.inflight += 1
         stream: httpx.Response | None = None
+        dec: Worker | None = None
         try:
             body = {"request_id": rid, "params": params_to_json(req.params)}
-            try:
-                stream = await self._send("POST", dec.url + "/internal/decode", stream=True, json=body)
-                if stream.status_code != 200:
-                    raise _worker_error(dec, stream.status_code, await stream.aread())
-                lines = stream.aiter_lines()
-                first = json.loads(await anext(lines))
-                grant = (first["kv_address"], first["ticket"], first["grant"])
-            except (httpx.HTTPError, StopAsyncIteration, ValueError, KeyError, TypeError) as exc:
-                dec.mark_down(repr(exc))
-                raise retry_later(
-                    503,
-                    f"decode worker {dec.url} failed: {exc!r}",
-                    "worker_failed",
-                ) from exc
+            dec, stream, lines, grant = await self._open_decode(req, body)
             pbody = {
                 "prompt": req.prompt,
                 "chat": req.chat,
@@ -312,15 +379,7 @@ class Router:
                 "ticket": grant[1],
                 "grant": grant[2],
             }
-            try:
-                r = await self._send("POST", pre.url + "/internal/prefill", json=pbody)
-            except httpx.HTTPError as exc:
-                pre.mark_down(repr(exc))
-                raise retry_later(
-                    503,
-                    f"prefill worker {pre.url} failed: {exc!r}",
-                    "worker_failed",
-                ) from exc
+            pre, r = await self._prefill(req, keys, pbody)
             if r.status_code in (401, 403):
                 raise _worker_error(pre, r.status_code, r.content)
             try:
@@ -342,17 +401,15 @@ class Router:
                     err.get("type", "server_error"),
                     headers,
                 )
-            self._remember(dec, "decode", req, None)
-            self._remember(pre, "prefill", req, keys)
+            self._remember(pre, keys)
         except BaseException as exc:
-            dec.inflight -= 1
-            pre.inflight -= 1
+            if dec is not None:
+                dec.inflight -= 1
             if stream is not None:
                 await stream.aclose()
             if not (isinstance(exc, ApiError) and exc.status < 500):
                 m.outcome("error")
             raise
-        pre.inflight -= 1
         if answer.get("status") == "finished":  # the first token ended it: nothing to decode
             await stream.aclose()
             dec.inflight -= 1
@@ -367,6 +424,116 @@ class Router:
             int(answer.get("num_prompt_tokens") or 0),
             int(answer.get("num_cached_tokens") or 0),
         )
+
+    async def _open_decode(
+        self, req: GenRequest, body: dict[str, Any]
+    ) -> tuple[Worker, httpx.Response, AsyncIterator[str], tuple[str, str, str]]:
+        """Park the request on a decode worker: (worker, its open stream, the stream's lines, the
+        grant). A worker that is draining or refuses the connection is marked down and the next one
+        tried (up to ATTEMPTS); the worker's ``inflight`` is counted for the caller."""
+        m = self.metrics
+        tried: set[str] = set()
+        while True:
+            dec, rule = self._pick(self.decode, "decode", req, None, tried)
+            tried.add(dec.url)
+            dec.inflight += 1
+            stream: httpx.Response | None = None
+            try:
+                try:
+                    stream = await self._send("POST", dec.url + "/internal/decode", stream=True, json=body)
+                except httpx.ConnectError as exc:  # nothing reached the worker
+                    raise _Skip(repr(exc)) from exc
+                if stream.status_code != 200:
+                    raw = await stream.aread()
+                    if _draining(stream.status_code, raw):
+                        raise _Skip("it is draining (shutting down)")
+                    raise _worker_error(dec, stream.status_code, raw)
+                lines = stream.aiter_lines()
+                first = json.loads(await anext(lines))
+                grant = (first["kv_address"], first["ticket"], first["grant"])
+            except _Skip as skip:
+                await _undo(dec, stream)
+                dec.mark_down(skip.why)
+                if len(tried) >= ATTEMPTS:
+                    raise retry_later(
+                        503, f"decode worker {dec.url} failed: {skip.why}", "worker_failed"
+                    ) from skip
+                continue
+            except (httpx.HTTPError, StopAsyncIteration, ValueError, KeyError, TypeError) as exc:
+                await _undo(dec, stream)
+                dec.mark_down(repr(exc))
+                raise retry_later(
+                    503,
+                    f"decode worker {dec.url} failed: {exc!r}",
+                    "worker_failed",
+                ) from exc
+            except BaseException:
+                await _undo(dec, stream)
+                raise
+            m.routed.labels(m.pool, dec.url, rule).inc()
+            return dec, stream, lines, grant
+
+    async def _prefill(
+        self, req: GenRequest, keys: list[bytes] | None, body: dict[str, Any]
+    ) -> tuple[Worker, httpx.Response]:
+        """Ask a prefill worker to prefill and hand off: (worker, its answer). A worker that is
+        draining or refuses the connection is marked down and the next one tried (up to ATTEMPTS;
+        the decode worker's grant is bound to its ticket, not to a prefill worker)."""
+        m = self.metrics
+        tried: set[str] = set()
+        while True:
+            pre, rule = self._pick(self.prefill, "prefill", req, keys, tried)
+            tried.add(pre.url)
+            pre.inflight += 1
+            try:
+                try:
+                    r = await self._send("POST", pre.url + "/internal/prefill", json=body)
+                except httpx.ConnectError as exc:
+                    raise _Skip(repr(exc)) from exc
+                except httpx.HTTPError as exc:
+                    pre.mark_down(repr(exc))
+                    raise retry_later(
+                        503,
+                        f"prefill worker {pre.url} failed: {exc!r}",
+                        "worker_failed",
+                    ) from exc
+                if _draining(r.status_code, r.content):
+                    raise _Skip("it is draining (shutting down)")
+            except _Skip as skip:
+                pre.mark_down(skip.why)
+                if len(tried) >= ATTEMPTS:
+                    raise retry_later(
+                        503, f"prefill worker {pre.url} failed: {skip.why}", "worker_failed"
+                    ) from skip
+                continue
+            finally:
+                pre.inflight -= 1
+            m.routed.labels(m.pool, pre.url, rule).inc()
+            return pre, r
+
+
+class _Skip(Exception):
+    """A worker to skip for this request (draining, or the connection refused): try another."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+async def _undo(w: Worker, stream: httpx.Response | None) -> None:
+    w.inflight -= 1
+    if stream is not None:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+def _draining(status: int, body: bytes) -> bool:
+    """Whether a worker's answer is its drain refusal (503, code ``draining``)."""
+    if status != 503:
+        return False
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        return json.loads(body)["error"]["code"] == "draining"
+    return False
 
 
 def _worker_error(w: Worker, status: int, body: bytes) -> ApiError:
