@@ -3,6 +3,8 @@
 ``create_app`` builds the app over a Backend: the local engine (``--role both``) or the router
 (``--role router``). Every accepted request ends with a result, a final SSE chunk and ``[DONE]``,
 or an explicit error; a client that disconnects has its requests aborted (their pages freed).
+On SIGTERM the server drains (drain.py): no new requests, the running ones finish or end with an
+explicit error at ``--drain-timeout``.
 
 Every answer that is not a success is OpenAI-shaped JSON, whatever failed: API errors, HTTP
 errors (404, 405), validation errors and unexpected exceptions (500 ``internal_error``, logged with
@@ -30,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.node_agent.serving.async_engine import RequestFailed
 from pagoda.node_agent.serving.auth import ApiKeys
 from pagoda.node_agent.serving.backend import Backend, GenRequest, Handle, StreamChunk
+from pagoda.node_agent.serving.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
 from pagoda.node_agent.serving.metrics import ServeMetrics
 from pagoda.node_agent.serving.protocol import (
     ApiError,
@@ -62,6 +65,7 @@ class ApiSettings:
     body_timeout_s: float = 30.0  # to receive a whole request body
     default_max_tokens: int = 16
     default_chat_max_tokens: int = 256
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # after SIGTERM (see drain.py)
     extra_routes: list[Callable[[FastAPI], None]] = field(default_factory=list)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -160,6 +164,8 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
         if settings.api_keys is not None:
             app.add_middleware(PublicAuth, keys=settings.api_keys, metrics=metrics)
     app.add_middleware(CatchAll)
+    app.state.drain = Drain(metrics, settings.drain_timeout_s)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # outermost: refuses before auth while draining
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 AGENT_MODULE = "pagoda.node_agent.cli.main"  # the ``pagoda`` command, run as ``python -m``
@@ -65,16 +66,17 @@ def start_server(
     return proc
 
 
-def stop(procs: list[subprocess.Popen], timeout: float = 10) -> None:
+def stop(procs: list[subprocess.Popen], timeout: float = 10, hurry: threading.Event | None = None) -> None:
     """SIGTERM every process still running, then wait; kill the ones still running ``timeout`` seconds
-    after the SIGTERM (one deadline for all) and reap them."""
+    after the SIGTERM (one deadline for all), or as soon as ``hurry`` is set, and reap them."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
     for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        while p.poll() is None:
+            if time.monotonic() >= deadline or (hurry is not None and hurry.is_set()):
+                p.kill()
+                break
+            time.sleep(0.05)
+        p.wait()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -130,6 +130,26 @@ class ServeMetrics:
             ["pool", "worker", "rule"],
             registry=r,
         )
+        self.dns_errors = Counter(
+            "pagoda_router_dns_errors",
+            "Router: lookups of a --prefill-dns/--decode-dns name that failed (its last addresses kept)",
+            ["pool", "role", "name"],
+            registry=r,
+        )
+        self.draining = Gauge(
+            "pagoda_draining",
+            "1 while the server drains after SIGTERM (no new requests, in-flight ones finishing)",
+            ["pool"],
+            registry=r,
+        )
+        self.draining.labels(pool).set(0)
+        self.drain_cut = Counter(
+            "pagoda_drain_cut_requests",
+            "Requests still running at the drain deadline, ended with an explicit error",
+            ["pool"],
+            registry=r,
+        )
+        self.drain_cut.labels(pool)
         self.worker_ready = _WorkerGauge(pool)
         r.register(self.worker_ready)
         if snapshot is not None:
