@@ -80,6 +80,30 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-endpoints", default="", help="router: prefill worker URLs, comma-separated")
     p.add_argument("--decode-endpoints", default="", help="router: decode worker URLs, comma-separated")
     p.add_argument(
+        "--prefill-dns",
+        default="",
+        metavar="HOST:PORT[,...]",
+        help="router: DNS names of prefill workers (e.g. a headless Service); each A/AAAA record is one "
+        "worker http://IP:PORT, re-resolved every --dns-refresh-seconds",
+    )
+    p.add_argument(
+        "--decode-dns", default="", metavar="HOST:PORT[,...]", help="router: like --prefill-dns, for decode"
+    )
+    p.add_argument(
+        "--dns-refresh-seconds",
+        type=float,
+        default=5.0,
+        help="router: period of re-resolving --prefill-dns/--decode-dns",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM: stop admitting and let requests in flight finish for up to this long, then "
+        "end the rest with an error and exit 0 (a second SIGTERM/SIGINT exits at once)",
+    )
+    p.add_argument(
         "--kv-port",
         type=int,
         default=None,
@@ -147,23 +171,29 @@ def build_app(a: argparse.Namespace, engine=None):
         trust_header=a.trust_tenant_header,
         keyed=api_keys is not None,
     )
-    public = {"api_keys": api_keys, "body_timeout_s": a.body_timeout}
+    public = {"api_keys": api_keys, "body_timeout_s": a.body_timeout, "drain_timeout_s": a.drain_timeout}
+    if not a.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     if a.tensor_parallel != 1:
         raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
     from pagoda.node_agent.serving.internal_auth import auth_for_role
 
     internal = auth_for_role(a.role, a.internal_token_file)  # before any model load: fail fast
     if a.role == "router":
+        from pagoda.node_agent.serving.discovery import parse_dns_targets
         from pagoda.node_agent.serving.router import Router, RouterSettings
 
         metrics = ServeMetrics(pool_label("router"))
         router = Router(
             RouterSettings(
-                prefill=[u for u in a.prefill_endpoints.split(",") if u.strip()],
-                decode=[u for u in a.decode_endpoints.split(",") if u.strip()],
+                prefill=[u.strip() for u in a.prefill_endpoints.split(",") if u.strip()],
+                decode=[u.strip() for u in a.decode_endpoints.split(",") if u.strip()],
                 session_affinity=not a.no_session_affinity,
                 prefix_aware=not a.no_prefix_caching,
                 max_inflight=a.max_queue,
+                prefill_dns=parse_dns_targets(a.prefill_dns, "--prefill-dns"),
+                decode_dns=parse_dns_targets(a.decode_dns, "--decode-dns"),
+                dns_refresh_s=a.dns_refresh_seconds,
             ),
             metrics,
             internal,
@@ -240,14 +270,14 @@ def _add_reporter(a: argparse.Namespace, settings, aeng) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
+    """Serve until SIGTERM/SIGINT, then drain (node_agent/serving/drain.py) and return 0."""
+    from pagoda.node_agent.serving.drain import serve
 
     if a.disaggregated:
         return run_disaggregated(a)
     app = build_app(a)
     print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
-    return 0
+    return serve(app, app.state.drain, a.host, a.port, a.log_level)
 
 
 def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) -> list[str]:
@@ -272,22 +302,26 @@ def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) ->
 def run_disaggregated(a: argparse.Namespace) -> int:
     """Router on --port, prefill on --port+1, decode on --port+2 (its KV receiver on a free port),
     under a supervisor that restarts whichever exits (policy: node_agent/cli/supervisor.py)."""
-    from pagoda.node_agent.cli.supervisor import ChildSpec, Supervisor, child_env
+    from pagoda.node_agent.cli.supervisor import ChildSpec, RestartPolicy, Supervisor, child_env
 
     host = a.host
     p_port, d_port = a.port + 1, a.port + 2
     kv_port = a.kv_port or free_port(host)
     p_url, d_url, r_url = (f"http://{host}:{p}" for p in (p_port, d_port, a.port))
     children = [
-        ChildSpec("prefill", child_args(a, "prefill", p_port, [])),
-        ChildSpec("decode", child_args(a, "decode", d_port, ["--kv-port", str(kv_port)])),
+        ChildSpec("prefill", child_args(a, "prefill", p_port, []), stage=1),
+        ChildSpec("decode", child_args(a, "decode", d_port, ["--kv-port", str(kv_port)]), stage=1),
         ChildSpec(
             "router",
             child_args(a, "router", a.port, ["--prefill-endpoints", p_url, "--decode-endpoints", d_url]),
+            stage=0,  # drains first, while the workers still serve its requests in flight
         ),
     ]
+    if not a.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
     supervisor = Supervisor(
         children,
+        policy=RestartPolicy(stop_timeout_s=a.drain_timeout + 10),
         env=child_env(os.environ, a.internal_token_file, a.tenant_secret),
         ready=lambda: is_ready(r_url),
         ready_line=f"router {r_url}, prefill :{p_port}, decode :{d_port} (KV :{kv_port})",

@@ -16,8 +16,11 @@ Restart policy (``RestartPolicy``, defaults in brackets):
   mean it cannot start (bad flags, a port taken, not enough memory): the supervisor says so on stderr,
   stops the other children and exits 1 instead of looping forever.
 
-SIGTERM or SIGINT to the supervisor stops every child (SIGTERM, then SIGKILL after ``stop_timeout_s``)
-and ``run`` returns 0. Children run in their own session (a terminal's Ctrl-C reaches only the
+SIGTERM or SIGINT to the supervisor stops the children stage by stage (``ChildSpec.stage``, lowest
+first: the router drains before the workers it sends to): SIGTERM, which makes a server drain
+(node_agent/serving/drain.py), then SIGKILL after ``stop_timeout_s`` [10 s; ``pagoda serve
+--disaggregated`` sets --drain-timeout + 10 s]; ``run`` returns 0. A second SIGTERM or SIGINT kills
+the children at once. Children run in their own session (a terminal's Ctrl-C reaches only the
 supervisor, which stops them in order) and, on Linux, get SIGTERM if the supervisor itself dies.
 """
 
@@ -64,6 +67,7 @@ class RestartPolicy:
 class ChildSpec:
     name: str
     argv: list[str]
+    stage: int = 0  # stop order: lower stages are stopped (and drained) first
 
 
 @dataclass
@@ -101,10 +105,14 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # a second stop request: kill the children at once
         self._state = [_Child(s) for s in self.children]
 
     def request_stop(self) -> None:
-        """Stop every child and make ``run`` return 0 (safe from a signal handler or another thread)."""
+        """Stop every child and make ``run`` return 0 (safe from a signal handler or another thread);
+        a second request kills the children still running at once."""
+        if self._stop.is_set():
+            self._hurry.set()
         self._stop.set()
 
     def pids(self) -> dict[str, int]:
@@ -130,7 +138,9 @@ class Supervisor:
                 self._stop.wait(self.policy.poll_s)
             return 0
         finally:
-            stop([c.proc for c in self._state if c.proc is not None], timeout=self.policy.stop_timeout_s)
+            for stage in sorted({c.spec.stage for c in self._state}):
+                procs = [c.proc for c in self._state if c.proc is not None and c.spec.stage == stage]
+                stop(procs, timeout=self.policy.stop_timeout_s, hurry=self._hurry)
             restore()
 
     def _check(self, c: _Child, now: float) -> bool:
