@@ -1,4 +1,5 @@
-"""A local cache of decoded GGUF models: float32 safetensors + config + tokenizer files.
+"""A local cache of decoded GGUF models: safetensors (float32, and INT4 blocks packed as loaded) +
+config + tokenizer files.
 
 Parsing a GGUF file and converting its tokenizer takes ~25 s for the built-in model; a cache hit
 loads in a few seconds. Keyed by the file's absolute path, size and mtime; written atomically
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.config import ModelConfig
+from pagoda.node_agent.models.quant_format import assemble_quantized, meta_of, state_of
 
 log = logging.getLogger("pagoda.cache")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: Q4_0/Q4_1 linear weights kept packed (INT4)
 
 
 def cache_root() -> Path | None:
@@ -40,7 +43,7 @@ def cache_dir_for(path: Path) -> Path | None:
     return root / "models" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def read_cache(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str] | None:
+def read_cache(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Int4Weight], str] | None:
     """(config, weights, tokenizer dir) from the cache, or None on a miss or a damaged entry."""
     d = cache_dir_for(path)
     if d is None or not (d / "complete").exists():
@@ -50,13 +53,15 @@ def read_cache(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], str] |
     try:
         cfg = json.loads((d / "pagoda_model.json").read_text())
         cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
-        return ModelConfig(**cfg), load_file(str(d / "weights.safetensors")), str(d)
+        packed = json.loads((d / "pagoda_packed.json").read_text())
+        weights = assemble_quantized(load_file(str(d / "weights.safetensors")), packed)
+        return ModelConfig(**cfg), weights, str(d)
     except Exception as exc:  # a damaged entry is rebuilt, never fatal
         log.warning("ignoring damaged model cache %s: %s", d, exc)
         return None
 
 
-def write_cache(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
+def write_cache(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor | Int4Weight]) -> str | None:
     """Store the decoded model and its converted tokenizer; returns the tokenizer dir (None if off)."""
     d = cache_dir_for(path)
     if d is None:
@@ -71,7 +76,18 @@ def write_cache(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) 
         d.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=d.parent))
         gguf_tokenizer(str(path.parent), path.name).save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "weights.safetensors"))
+        tensors: dict[str, torch.Tensor] = {}
+        packed: dict[str, dict] = {"quantized": {}, "tensors": {}}
+        for name, v in weights.items():
+            if isinstance(v, Int4Weight):
+                packed["quantized"][name] = meta_of(v)
+                for part, t in state_of(v).items():
+                    tensors[f"{name}.{part}"] = t.contiguous()
+                    packed["tensors"][f"{name}.{part}"] = name
+            else:
+                tensors[name] = v.contiguous()
+        save_file(tensors, str(tmp / "weights.safetensors"))
+        (tmp / "pagoda_packed.json").write_text(json.dumps(packed))
         (tmp / "pagoda_model.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         (tmp / "complete").write_text("ok\n")
         try:

@@ -1,5 +1,5 @@
-"""Building blocks shared by the decoder families: RMSNorm, the per-phase linear layer and the
-dense SwiGLU MLP."""
+"""Building blocks shared by the decoder families: RMSNorm, the per-phase linear layer (and its
+row-concatenated form, one GEMM for q/k/v or gate/up), and the dense SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -67,8 +67,55 @@ class PhaseLinear:
         return list(seen.values())
 
 
+def concat_rows(ws: list) -> torch.Tensor | Int4Weight | Fp8Weight | None:
+    """Weights ``[N_i, K]`` of one kind stacked along N (what a fused projection runs), or None
+    when they cannot be stacked without changing a value (mixed kinds, groups or widths)."""
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat(ws, dim=0) if len({w.shape[1] for w in ws}) == 1 else None
+    if all(isinstance(w, Fp8Weight) for w in ws):
+        return Fp8Weight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]))
+    if not all(isinstance(w, Int4Weight) for w in ws):
+        return None
+    if len({(w.in_features, w.group_size) for w in ws}) != 1:
+        return None
+    n, first = sum(w.out_features for w in ws), ws[0]
+    packed = torch.cat([w.state()["packed"] for w in ws])
+    scales = torch.cat([w.state()["scales"] for w in ws])
+    if any(w.float_zero for w in ws) or len({w.symmetric for w in ws}) > 1:
+        mins = torch.cat([w.offsets() for w in ws])  # one float-zero form holds every kind exactly
+        return Int4Weight(n, first.in_features, first.group_size, False, packed, scales, None, mins)
+    zeros = None if first.symmetric else torch.cat([w.state()["zeros"] for w in ws])
+    return Int4Weight(n, first.in_features, first.group_size, first.symmetric, packed, scales, zeros)
+
+
+def fused_linear(
+    w: dict,
+    names: list[str],
+    formats: dict[str, str],
+    dtype: torch.dtype,
+    backend: str | None,
+    group_size: int | None,
+) -> PhaseLinear | None:
+    """One PhaseLinear over the row-stacked weights (and biases) of ``names``, or None when they
+    cannot be fused exactly."""
+    weight = concat_rows([w[n + ".weight"] for n in names])
+    if weight is None:
+        return None
+    biases = [w.get(n + ".bias") for n in names]
+    bias = None
+    if any(b is not None for b in biases):
+        sizes = [_rows(w[n + ".weight"]) for n in names]
+        bias = torch.cat([b if b is not None else torch.zeros(k) for b, k in zip(biases, sizes, strict=True)])
+    return PhaseLinear(weight, bias, formats, dtype, backend, group_size)
+
+
+def _rows(w: torch.Tensor | Int4Weight | Fp8Weight) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
+
+
 class DenseMLP:
-    """SwiGLU MLP ``down(silu(gate(h)) * up(h))`` of three PhaseLinears named ``<prefix>.gate_proj``..."""
+    """SwiGLU MLP ``down(silu(gate(h)) * up(h))``; gate and up run as one fused GEMM
+    (``gate_up_proj``) when their weights stack exactly, else as ``gate_proj`` / ``up_proj``."""
 
     def __init__(
         self,
@@ -85,10 +132,21 @@ class DenseMLP:
                 w[full + ".weight"], w.get(full + ".bias"), formats, dtype, backend, group_size
             )
 
-        self.gate_proj, self.up_proj, self.down_proj = lin("gate_proj"), lin("up_proj"), lin("down_proj")
+        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = fused_linear(w, names, formats, dtype, backend, group_size)
+        self.gate_proj = self.up_proj = None
+        if self.gate_up_proj is None:
+            self.gate_proj, self.up_proj = lin("gate_proj"), lin("up_proj")
+        self.down_proj = lin("down_proj")
 
     def linears(self) -> list[PhaseLinear]:
+        if self.gate_up_proj is not None:
+            return [self.gate_up_proj, self.down_proj]
         return [self.gate_proj, self.up_proj, self.down_proj]
 
     def __call__(self, h: torch.Tensor, phase: str) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(h, phase)) * self.up_proj(h, phase), phase)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(h, phase).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(h, phase), self.up_proj(h, phase)
+        return self.down_proj(F.silu(gate) * up, phase)

@@ -19,6 +19,7 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
     DenseMLP,
     PhaseLinear,
     RMSNorm,
+    fused_linear,
     prequantized_format,
 )
 from pagoda.node_agent.models.mla import MlaAttention
@@ -57,24 +58,28 @@ class DecoderLayer:
             )
 
         self.mla: MlaAttention | None = None
+        self.qkv_proj: PhaseLinear | None = None
         if cfg.mla is not None:  # DeepSeek-V3: latent attention; no q/k/v projections
             self.mla = MlaAttention(cfg, idx, p + "self_attn.", w, formats, dtype, backend, group_size)
             self.q_proj = self.k_proj = self.v_proj = None
             self.o_proj = self.mla.o_proj
         else:
-            self.q_proj, self.k_proj, self.v_proj = (
-                lin("self_attn.q_proj"),
-                lin("self_attn.k_proj"),
-                lin("self_attn.v_proj"),
-            )
+            names = [p + f"self_attn.{n}_proj" for n in "qkv"]
+            self.qkv_proj = fused_linear(w, names, formats, dtype, backend, group_size)
+            self.qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            self.q_proj = self.k_proj = self.v_proj = None
+            if self.qkv_proj is None:  # weights of different kinds: three GEMMs
+                self.q_proj, self.k_proj, self.v_proj = (
+                    lin("self_attn.q_proj"),
+                    lin("self_attn.k_proj"),
+                    lin("self_attn.v_proj"),
+                )
             self.o_proj = lin("self_attn.o_proj")
         self.mlp: DenseMLP | MoeMLP
-        self.gate_proj = self.up_proj = self.down_proj = None  # a dense MLP's layers, by name
         if cfg.is_sparse(idx):
             self.mlp = MoeMLP(cfg.moe, cfg.hidden_size, p + "mlp.", w, formats, dtype, backend, group_size)
         else:
             self.mlp = DenseMLP(p + "mlp", w, formats, dtype, backend, group_size)
-            self.gate_proj, self.up_proj, self.down_proj = self.mlp.linears()
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
         self.post_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
         self.q_norm = self.k_norm = None
@@ -86,14 +91,19 @@ class DecoderLayer:
         """Attention, dense-MLP and shared-expert linear layers (not the routed experts)."""
         if self.mla is not None:
             return [*self.mla.linears(), *self.mlp.linears()]
-        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj, *self.mlp.linears()]
+        attn = [self.qkv_proj] if self.qkv_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
+        return [*attn, self.o_proj, *self.mlp.linears()]
 
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: str):
         cfg = self.cfg
         t = h.shape[0]
-        q = self.q_proj(h, phase).view(t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(h, phase).view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(h, phase).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(h, phase).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(h, phase), self.k_proj(h, phase), self.v_proj(h, phase)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.cache import read_cache, write_cache
 from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
 from pagoda.node_agent.models.config import (
@@ -31,6 +32,7 @@ from pagoda.node_agent.models.config import (
     config_from_hf,
     family_of,
 )
+from pagoda.node_agent.models.gguf_blocks import EXACT_INT4_TYPES, int4_from_gguf, permute_rows
 from pagoda.node_agent.models.gguf_names import (
     GGUF_MOE_BASES,
     GGUF_MOE_FAMILIES,
@@ -210,13 +212,25 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         mla=mla,
         rope_scaling=rope_scaling,
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | Int4Weight] = {}
     split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> attn_k_b / attn_v_b
+    requantized: set[str] = set()  # block types an INT4 decode phase must re-quantize
     for name, t in tensors.items():
         block = name.split(".")[1] if name.startswith("blk.") else ""
         if block.isdigit() and int(block) >= n_layers:
             log.debug("ignoring GGUF tensor %s (multi-token-prediction block)", name)
             continue
+        hf = _gguf_to_hf_name(name)
+        exact = _exact_int4(name, hf, t, fam, heads, kv_heads, path, mla is not None)
+        if exact is not None:
+            weights[hf] = exact
+            continue
+        if (
+            hf is not None
+            and hf.endswith("_proj.weight")
+            and t.tensor_type.name not in ("F32", "F16", "BF16")
+        ):
+            requantized.add(t.tensor_type.name)
         try:
             arr = gguf.dequantize(t.data, t.tensor_type)
         except Exception as exc:
@@ -231,7 +245,6 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         if moe is not None:
             weights.update(moe)
             continue
-        hf = _gguf_to_hf_name(name)
         if hf is None:
             log.debug("ignoring GGUF tensor %s", name)
             continue
@@ -248,8 +261,37 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         weights[f"model.layers.{block}.self_attn.kv_b_proj.weight"] = join_kv_b(
             parts["attn_k_b"], parts["attn_v_b"], mla, f"{path}: blk.{block}"
         )
+    if requantized:
+        log.warning(
+            "%s: linear weights stored as %s are dequantized to float32; an INT4 decode phase "
+            "re-quantizes them (lossy). Only %s blocks load into INT4 exactly.",
+            path.name,
+            ", ".join(sorted(requantized)),
+            " and ".join(EXACT_INT4_TYPES),
+        )
     _check_weights(cfg, weights, str(path))
     return LoadedModel(source, cfg, weights, str(path.parent), path.name)
+
+
+def _exact_int4(
+    name: str, hf: str | None, t, fam: str, heads: int, kv_heads: int, path: Path, mla: bool
+) -> Int4Weight | None:
+    """A dense block's Q4_0 / Q4_1 linear weight as an Int4Weight (rows un-permuted like the float
+    path), or None when the tensor is anything else."""
+    if hf is None or mla or t.tensor_type.name not in EXACT_INT4_TYPES or not hf.endswith("_proj.weight"):
+        return None
+    if ".mlp.experts." in hf or ".shared_expert" in hf:
+        return None
+    cols, rows = (int(d) for d in t.shape)
+    try:
+        w = int4_from_gguf(t.tensor_type.name, t.data, rows, cols)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: tensor {name}: {exc}") from exc
+    if fam in ("llama", "mistral") and name.endswith(("attn_q.weight", "attn_k.weight")):
+        n = heads if name.endswith("attn_q.weight") else kv_heads
+        order = torch.from_numpy(_unpermute_rope(np.arange(rows), n).copy())
+        w = permute_rows(w, order)
+    return w
 
 
 def _gguf_moe_tensor(name: str, arr: np.ndarray) -> dict[str, torch.Tensor] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models import cache as model_cache
 from pagoda.node_agent.models import loader
 
@@ -20,7 +21,12 @@ def test_cache_roundtrip_and_damage(tmp_path, monkeypatch):
     second = loader.load_model("builtin://smollm2-135m")  # hit
     assert second.config == first.config and second.gguf_file is None
     assert second.weights.keys() == first.weights.keys()
-    for k in ("model.embed_tokens.weight", "model.layers.3.self_attn.k_proj.weight"):
-        assert torch.equal(second.weights[k], first.weights[k])
+    assert torch.equal(
+        second.weights["model.embed_tokens.weight"], first.weights["model.embed_tokens.weight"]
+    )
+    k = "model.layers.3.self_attn.k_proj.weight"  # a Q4_1 block tensor: kept packed, float zero
+    assert isinstance(second.weights[k], Int4Weight) and second.weights[k].float_zero
+    for part, t in first.weights[k].state().items():
+        assert torch.equal(second.weights[k].state()[part], t)
     (d / "weights.safetensors").write_bytes(b"garbage")
     assert model_cache.read_cache(path) is None  # damaged: ignored, never fatal
