@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from pagoda.node_agent.bench.common import write_result
@@ -23,11 +24,59 @@ def parse_int_list(text: str) -> list[int]:
     return vals
 
 
+def parse_name_list(text: str) -> list[str]:
+    """'a, b' -> ['a', 'b'] (empty items dropped)."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (repeats)."""
+    try:
+        v = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def add_method_args(p: argparse.ArgumentParser, threads_default: int | None, repeats: int = 3) -> None:
+    """The method's flags every timed bench shares: repeats and torch threads."""
+    p.add_argument(
+        "--repeats", type=positive_int, default=repeats, help="timed runs per variant, interleaved (median)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=threads_default, help="torch CPU threads (0 = torch's default)"
+    )
+
+
+def command_line(a: argparse.Namespace) -> str:
+    """The bench's command with every flag that differs from its default, as a shell line."""
+    parser = getattr(a, "bench_parser", None)
+    words = ["pagoda", "bench", a.bench]
+    for act in parser._actions if parser is not None else []:
+        if not act.option_strings or act.dest in ("help", "bench_parser", "func"):
+            continue
+        val = getattr(a, act.dest, act.default)
+        if val == act.default:
+            continue
+        flag = act.option_strings[-1]
+        if isinstance(act, argparse._StoreTrueAction):
+            words.append(flag)
+        elif isinstance(val, list | tuple):
+            words += [flag, ",".join(str(v) for v in val)]
+        else:
+            words += [flag, str(val)]
+    return shlex.join(words)
+
+
 def cmd_bench_decode(a: argparse.Namespace) -> int:
     from pagoda.node_agent.bench.decode import bench_decode, plot_decode
 
-    result = bench_decode(engine_config_from_args(a), a.concurrency, a.max_tokens, baseline=not a.no_baseline)
-    write_result(a.json, result, lambda p: plot_decode(p, result))
+    baselines = () if a.no_baseline else tuple(a.baselines)
+    cfg = engine_config_from_args(a)
+    result = bench_decode(cfg, a.concurrency, a.max_tokens, baselines, a.repeats, a.threads)
+    write_result(a.json, result, lambda p: plot_decode(p, result), command_line(a))
     return 0
 
 
@@ -97,13 +146,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
     bs = b.add_subparsers(dest="bench", required=True)
 
-    d = bs.add_parser("decode", help="aggregate decode tok/s and TTFT vs transformers generate")
+    d = bs.add_parser(
+        "decode", help="aggregate decode tok/s and TTFT vs transformers generate and llama.cpp (one stream)"
+    )
     add_engine_args(d)
     d.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
-    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", type=int, default=64, help="decode steps timed per run (at least 2)")
+    d.add_argument(
+        "--baselines",
+        type=parse_name_list,
+        default=["transformers", "llama.cpp"],
+        help="transformers,llama.cpp",
+    )
+    d.add_argument("--no-baseline", action="store_true", help="no baselines (Pagoda alone)")
+    add_method_args(d, threads_default=0)
     d.add_argument("--json", default=None, help=JSON_HELP)
-    d.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
-    d.set_defaults(func=cmd_bench_decode)
+    d.set_defaults(func=cmd_bench_decode, bench_parser=d)
 
     p = bs.add_parser("integrity", help="decode overhead of the KV tag check (enforce vs off)")
     add_engine_args(p)
