@@ -15,6 +15,9 @@ Two ``quantization_config`` forms of config.json are understood:
     words read as bytes are exactly kernels.int4's canonical packing (value 2j in the low nibble
     of byte j), so the packed tensor is used as is: no unpacking, no float detour.
 
+  * GPTQ (``quant_method: gptq``) and AWQ (``quant_method: awq``, GEMM packing) W4A16: read into
+    Int4Weight with integer arithmetic only; see ``gptq_awq``.
+
 Everything else in such a checkpoint (norms, embeddings, unquantized layers) is read as float32.
 """
 
@@ -30,6 +33,7 @@ from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.fp8_format import FP8_DTYPE, quantize_fp8_weight
 from pagoda.kernels.int4 import SUPPORTED_GROUPS, Int4Weight
 from pagoda.node_agent.models.config import ModelLoadError
+from pagoda.node_agent.models.gptq_awq import AWQ, GPTQ, convert_gptq_awq, parse_awq, parse_gptq
 
 FP8_BLOCK = "fp8_block"
 PACK_INT4 = "pack_int4"
@@ -42,9 +46,11 @@ _DENSE_ONLY_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weigh
 class CheckpointQuant:
     """What a checkpoint's ``quantization_config`` asks for, once validated."""
 
-    method: str  # FP8_BLOCK | PACK_INT4
+    method: str  # FP8_BLOCK | PACK_INT4 | GPTQ | AWQ
     block: tuple[int, int] = (0, 0)  # FP8: weight_block_size [rows, cols]
     group_size: int = 0  # INT4
+    symmetric: bool = True  # GPTQ's sym
+    zero_offset: int = 0  # GPTQ v1 stores zero - 1: added back on load
 
 
 def parse_quantization_config(raw: dict) -> CheckpointQuant | None:
@@ -61,9 +67,15 @@ def parse_quantization_config(raw: dict) -> CheckpointQuant | None:
         return _parse_fp8(qc)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
+    if method == GPTQ:
+        g, sym, offset = parse_gptq(qc)
+        return CheckpointQuant(GPTQ, group_size=g, symmetric=sym, zero_offset=offset)
+    if method == AWQ:
+        return CheckpointQuant(AWQ, group_size=parse_awq(qc), symmetric=False)
     raise ModelLoadError(
         f"unsupported quantization_config.quant_method {method!r}; supported: 'fp8' (block-scaled "
-        "e4m3, DeepSeek-V3 style) and 'compressed-tensors' (pack-quantized symmetric INT4 W4A16)"
+        "e4m3, DeepSeek-V3 style), 'compressed-tensors' (pack-quantized symmetric INT4 W4A16), "
+        "'gptq' and 'awq' (4-bit W4A16)"
     )
 
 
@@ -144,6 +156,10 @@ def convert_checkpoint(weights: dict[str, Tensor], q: CheckpointQuant) -> dict[s
     try:
         if q.method == FP8_BLOCK:
             out = _convert_fp8_block(weights, q.block)
+        elif q.method in (GPTQ, AWQ):
+            quantized, claimed = convert_gptq_awq(weights, q.method, q.group_size, q.symmetric, q.zero_offset)
+            out = _plain(weights, claimed)
+            out.update(quantized)
         else:
             out = _convert_pack_int4(weights, q.group_size)
     except ValueError as exc:
@@ -297,6 +313,11 @@ def prequantized_expert_stack(w: dict[str, object], prefix: str, num_experts: in
                 down_scales=torch.stack([d.scale for d in down]),
             )
         every = gate + up + down
+        if any(x.mins is not None for x in every):
+            raise ModelLoadError(
+                f"{prefix}experts: INT4 experts with float offsets (a GPTQ v1 zero point of 16) are not "
+                "supported in expert stacks"
+            )
         gs, syms = {x.group_size for x in every}, {x.symmetric for x in every}
         if len(gs) != 1 or len(syms) != 1:
             raise ModelLoadError(f"{prefix}experts: INT4 experts mix group sizes {gs} or symmetry {syms}")

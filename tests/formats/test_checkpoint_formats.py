@@ -354,7 +354,7 @@ def _int4_qc(**weights) -> dict:
         ({**FP8_QC, "activation_scheme": "static"}, "activation_scheme 'static'"),
         ({**FP8_QC, "fmt": "e5m2"}, "fmt 'e5m2'"),
         ({**FP8_QC, "weight_block_size": [128]}, "weight_block_size must be two positive integers"),
-        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
         ("fp8", "must be an object"),
     ],
 )
@@ -371,8 +371,8 @@ def test_loader_reports_unsupported_and_malformed_checkpoints(checkpoint):
     for f in path.iterdir():
         if f.name != "config.json":
             (bad / f.name).symlink_to(f)
-    (bad / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "gptq"}}))
-    with pytest.raises(ModelLoadError, match="unsupported quantization_config.quant_method 'gptq'"):
+    (bad / "config.json").write_text(json.dumps({**raw, "quantization_config": {"quant_method": "hqq"}}))
+    with pytest.raises(ModelLoadError, match="unsupported quantization_config.quant_method 'hqq'"):
         load_model(str(bad))
     # a scale of the wrong shape names the tensor
     (bad / "model.safetensors").unlink()
