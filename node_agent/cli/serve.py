@@ -178,9 +178,13 @@ def build_app(a: argparse.Namespace, engine=None):
         raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
     from pagoda.node_agent.serving.internal_auth import auth_for_role
 
+    if a.role == "router":  # flag values first, then credentials, then anything else
+        from pagoda.node_agent.serving.discovery import parse_dns_targets
+
+        prefill_dns = parse_dns_targets(a.prefill_dns, "--prefill-dns")
+        decode_dns = parse_dns_targets(a.decode_dns, "--decode-dns")
     internal = auth_for_role(a.role, a.internal_token_file)  # before any model load: fail fast
     if a.role == "router":
-        from pagoda.node_agent.serving.discovery import parse_dns_targets
         from pagoda.node_agent.serving.router import Router, RouterSettings
 
         metrics = ServeMetrics(pool_label("router"))
@@ -191,8 +195,8 @@ def build_app(a: argparse.Namespace, engine=None):
                 session_affinity=not a.no_session_affinity,
                 prefix_aware=not a.no_prefix_caching,
                 max_inflight=a.max_queue,
-                prefill_dns=parse_dns_targets(a.prefill_dns, "--prefill-dns"),
-                decode_dns=parse_dns_targets(a.decode_dns, "--decode-dns"),
+                prefill_dns=prefill_dns,
+                decode_dns=decode_dns,
                 dns_refresh_s=a.dns_refresh_seconds,
             ),
             metrics,

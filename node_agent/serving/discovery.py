@@ -38,7 +38,8 @@ def parse_dns_targets(value: str, flag: str) -> list[DnsTarget]:
     """``HOST:PORT[,HOST:PORT...]`` (empty: none); ValueError naming ``flag`` and the bad entry."""
     if not value.strip():
         return []
-    usage = f"expected HOST:PORT[,HOST:PORT...], e.g. {flag} decode.ns.svc.cluster.local:8000"
+    role = flag.removeprefix("--").removesuffix("-dns")
+    usage = f"expected HOST:PORT[,HOST:PORT...], e.g. {flag} my-model-{role}.NAMESPACE.svc.cluster.local:8000"
     items = [x.strip() for x in value.split(",")]
     if len(items) > MAX_TARGETS:
         raise ValueError(f"{flag}: {len(items)} names, at most {MAX_TARGETS}")
@@ -52,8 +53,10 @@ def parse_dns_targets(value: str, flag: str) -> list[DnsTarget]:
                 f"{flag.replace('-dns', '-endpoints')}); {usage}"
             )
         host, sep, port = item.rpartition(":")
-        if not sep or not host:
+        if not sep or not port:
             raise ValueError(f"{flag}: {item!r} has no port; {usage}")
+        if not host:
+            raise ValueError(f"{flag}: {item!r} has no host; {usage}")
         if not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"{flag}: {item!r}: the port must be a number in 1..65535")
         out.append(DnsTarget(_host(host, item, flag), int(port)))

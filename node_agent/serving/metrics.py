@@ -133,7 +133,7 @@ class ServeMetrics:
         self.dns_errors = Counter(
             "pagoda_router_dns_errors",
             "Router: lookups of a --prefill-dns/--decode-dns name that failed (its last addresses kept)",
-            ["pool", "role", "name"],
+            ["pool", "role", "target"],
             registry=r,
         )
         self.draining = Gauge(
