@@ -212,10 +212,11 @@ def write_result(
 ) -> None:
     """Write ``result`` as JSON to ``json_path`` and ``plot`` to a PNG beside it (nothing if no path).
 
-    ``command`` (the command line that produced it) is stored under ``"command"``; a result made
-    without the method's block (``environment``) gets one here, so every JSON names its machine."""
-    if "machine" not in result:
-        result.update(environment())
+    ``command`` (the command line that produced it) is stored under ``"command"``; what a result
+    lacks of the method's block (``environment``) is added here, so every JSON names its machine
+    (keys the bench set itself, such as the threads a kernel bench pinned, are kept)."""
+    for key, value in environment().items():
+        result.setdefault(key, value)
     if command is not None:
         result["command"] = command
     if not json_path:

@@ -3,23 +3,39 @@ buy, measured.
 
 bench kv: for one KV byte budget, the exact capacity (pages, tokens, sequences) of a bf16 and an
 fp8_e4m3 pool, and aggregate decode tok/s at several concurrencies with prompts sized so that bf16
-runs out of pages at the top concurrency while fp8 still holds every sequence.
+runs out of pages at the top concurrency while fp8 still holds every sequence. Only pure decode
+steps are timed: prefill chunks, and the recompute of preempted sequences (prefill too), run
+outside the measured window.
 
-bench weights: decode tok/s (several concurrencies) and prefill tok/s for bf16, fp8 and int4
-weights, plus resident weight bytes; ratios against dense are measured in the same run.
+bench weights: decode tok/s (several concurrencies; decode steps holding every sequence) and
+prefill tok/s (prefill steps) for dense bf16 (true 2-byte bfloat16, whatever the compute dtype),
+fp8 and int4 weights, plus resident weight bytes; ratios against bf16 are paired per repeat.
+
+Both use the common method (``common.py``): warm-up, interleaved repeats, median and spread.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from pagoda.node_agent.bench.common import Log, bench_prompts, echo, engine_factory, plot_lines, set_threads
+from pagoda.node_agent.bench.common import (
+    Log,
+    Variant,
+    bench_prompts,
+    echo,
+    engine_factory,
+    environment,
+    paired_ratio,
+    plot_lines,
+    run_interleaved,
+    set_threads,
+    summarize,
+)
 from pagoda.node_agent.bench.decode import run_pagoda_decode
+from pagoda.node_agent.bench.stepping import run_steps
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.kv_setup import kv_components
@@ -113,27 +129,19 @@ def sized_prompts(engine, n: int, tokens: int, salt: str) -> list[list[int]]:
 
 def run_queued_decode(engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Submit all prompts at once and step to the end (queueing and preemption included).
-    decode_tok_s = tokens after each request's first / time from the first token to the end."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    pre0 = engine.scheduler.num_preemptions
-    t0 = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, params)
-    first_at: float | None = None
-    peak = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        peak = max(peak, sum(1 for s in engine.scheduler.running if not s.needs_prefill))
-        if outs and first_at is None:
-            first_at = time.perf_counter()
-    end = time.perf_counter()
-    decode_tokens = len(prompts) * (max_tokens - 1)
-    span = end - (first_at or t0)
+
+    decode_tok_s: tokens of pure decode steps over their time (prefill chunks and the recompute of
+    preempted sequences are prefill steps, left out of the window); the mean batch of those steps,
+    preemptions and the largest decode batch tell how much of the workload the pool held at once."""
+    trace = run_steps(engine, prompts, max_tokens)
+    rate = trace.decode_rate()
     return {
-        "decode_tok_s": decode_tokens / span if span > 0 else 0.0,
-        "total_s": end - t0,
-        "preemptions": engine.scheduler.num_preemptions - pre0,
-        "peak_running": peak,
+        "decode_tok_s": rate["decode_tok_s"],
+        "window_steps": rate["window_steps"],
+        "window_mean_batch": rate["window_mean_batch"],
+        "total_s": trace.total_s,
+        "preemptions": sum(st.preemptions for st in trace.steps),
+        "peak_running": max((st.decode_tokens for st in trace.window()), default=0),
     }
 
 
@@ -147,10 +155,12 @@ def bench_kv(
     pages_per_seq: int | None = None,
     threads: int | None = 1,
     log: Log = echo,
+    repeats: int = 3,
 ) -> dict:
     """bf16 vs fp8_e4m3 KV under the budget ``cfg.kv_memory`` (default 64 MiB); the JSON-ready result.
 
-    ``pages_per_seq`` defaults to filling 85% of the fp8 pool at the top concurrency."""
+    ``pages_per_seq`` defaults to filling 85% of the fp8 pool at the top concurrency; ``repeats``
+    timed runs per (format, concurrency), interleaved."""
     set_threads(threads)
     make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
     budget = cfg.kv_memory or DEFAULT_KV_BUDGET
@@ -191,22 +201,57 @@ def bench_kv(
         engines[f] = make(formats=kv, kv_memory=mem, max_num_seqs=max(cmax, 1))
         assert engines[f].pool.num_pages == caps[f]["pages"], (f, engines[f].pool.num_pages)
     del probe
-    rows = []
-    log(f"{'kv':<10}{'conc':>6}{'decode tok/s':>14}{'preempt':>9}{'peak run':>10}{'total s':>9}")
+    variants = []
     for c in concurrency:
         for f in KV_CACHE_FORMATS:
-            prompts = sized_prompts(engines[f], c, prompt_tokens, salt=f"kv{c}-")
-            r = run_queued_decode(engines[f], prompts, max_tokens)
-            rows.append({"kv": f, "concurrency": c, **r})
-            log(
-                f"{f:<10}{c:>6}{r['decode_tok_s']:>14.1f}{r['preemptions']:>9}{r['peak_running']:>10}"
-                f"{r['total_s']:>9.1f}"
+
+            def prompts(r: int, f: str = f, c: int = c) -> list[list[int]]:
+                return sized_prompts(engines[f], c, prompt_tokens, salt=f"kv{c}-r{r}-")
+
+            variants.append(
+                Variant(
+                    f"{f} c{c}",
+                    lambda r, f=f, p=prompts: run_queued_decode(engines[f], p(r), max_tokens),
+                    warm=lambda f=f, p=prompts: run_queued_decode(engines[f], p(-1), 2),
+                )
             )
+    runs = run_interleaved(variants, repeats, log)
+    rows = []
+    log(
+        f"{'kv':<10}{'conc':>6}{'decode tok/s':>14}{'min-max':>16}{'mean batch':>12}{'preempt':>9}{'peak':>6}"
+    )
+    for c in concurrency:
+        for f in KV_CACHE_FORMATS:
+            rs = runs[f"{f} c{c}"]
+            r = {
+                "kv": f,
+                "concurrency": c,
+                **summarize(rs, ("decode_tok_s", "window_mean_batch", "total_s")),
+                "window_steps": min(x["window_steps"] for x in rs),
+                "preemptions": max(x["preemptions"] for x in rs),
+                "peak_running": min(x["peak_running"] for x in rs),
+            }
+            rows.append(r)
+            mm = f"{r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f}"
+            log(
+                f"{f:<10}{c:>6}{r['decode_tok_s']:>14.1f}{mm:>16}{r['window_mean_batch']:>12.1f}"
+                f"{r['preemptions']:>9}{r['peak_running']:>6}"
+            )
+    ratio_rows = {
+        f"c{c}": paired_ratio(
+            [x["decode_tok_s"] for x in runs[f"fp8_e4m3 c{c}"]],
+            [x["decode_tok_s"] for x in runs[f"bf16 c{c}"]],
+        )
+        for c in concurrency
+    }
     return {
         "bench": "kv",
+        **environment(),
         "model": cfg.model,
         "dtype": str(engines["bf16"].dtype),
-        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "method": "pure decode steps only (prefill and recompute outside the window); warm-up, then "
+        "repeats interleaved bf16/fp8 per concurrency; median, min, max; ratio paired per repeat",
         "kv_budget_bytes": budget,
         "page_size": ps,
         "prompt_tokens": prompt_tokens,
@@ -219,6 +264,7 @@ def bench_kv(
         "capacity_ratio_fp8_vs_bf16": ratio,
         "split_default_decode_capacity_tokens": split_decode["tokens"],
         "rows": rows,
+        "decode_ratio_fp8_vs_bf16": ratio_rows,
     }
 
 
@@ -275,45 +321,62 @@ def bench_weights(
     threads: int | None = 1,
     log: Log = echo,
 ) -> dict:
-    """bf16 vs fp8 vs int4 weights: decode and prefill tok/s, resident bytes; the JSON-ready result.
-
-    ``repeats``: medians over this many runs at concurrency 1 and for prefill."""
+    """Dense bf16 vs fp8 vs int4 weights: decode and prefill tok/s, resident bytes; the JSON-ready
+    result. The dense engine computes in true bfloat16 (2-byte weights, as on a GPU), fp8 and int4
+    in the configured dtype (each row names its dtype); ``repeats`` timed runs per point, interleaved."""
     set_threads(threads)
     make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
     kv_mem = cfg.kv_memory or 256 << 20
+    seats = max(max(concurrency), prefill_prompts)
     engines = {
-        f: make(formats=PhaseFormats(f, "bf16", f, "bf16"), kv_memory=kv_mem, max_num_seqs=max(concurrency))
+        f: make(
+            formats=PhaseFormats(f, "bf16", f, "bf16"),
+            kv_memory=kv_mem,
+            max_num_seqs=seats,
+            **({"dtype": "bfloat16"} if f == "bf16" else {}),
+        )
         for f in WEIGHT_FORMATS
     }
+    points = [(f"decode_c{c}", c) for c in concurrency] + [("prefill", prefill_tokens)]
+    variants = []
+    for point, c in points:
+        for f in WEIGHT_FORMATS:
+            e = engines[f]
+            if point == "prefill":
+
+                def run(r: int, e=e) -> dict:
+                    ps = sized_prompts(e, prefill_prompts, prefill_tokens, salt=f"p-r{r}-")
+                    return {"tok_s": _prefill_tok_s(e, ps)}
+
+            else:
+
+                def run(r: int, e=e, c=c) -> dict:
+                    out = run_pagoda_decode(e, bench_prompts(c, salt=f"w{c}-r{r}-"), max_tokens)
+                    return {"tok_s": out["decode_tok_s"]}
+
+            warm = (
+                None if point == "prefill" else (lambda e=e, c=c: run_pagoda_decode(e, bench_prompts(c), 2))
+            )
+            variants.append(Variant(f"{f} {point}", run, warm))
+    runs = run_interleaved(variants, repeats, log)
     rows = []
-    log(f"{'weights':<9}{'phase':<9}{'conc':>6}{'tok/s':>10}")
-
-    def record(f: str, phase: str, c: int, vals: list[float]) -> None:
-        rows.append({"weights": f, "phase": phase, "concurrency": c, "tok_s": statistics.median(vals)})
-        log(f"{f:<9}{phase:<9}{c:>6}{rows[-1]['tok_s']:>10.1f}")
-
-    for c in concurrency:
-        reps = repeats if c == 1 else 1  # medians where a run is cheap
-        vals: dict[str, list[float]] = {f: [] for f in WEIGHT_FORMATS}
-        for i in range(reps):
-            for f in WEIGHT_FORMATS:  # interleaved, so drift of a shared machine hits all alike
-                r = run_pagoda_decode(engines[f], bench_prompts(c, salt=f"w{c}-{i}-"), max_tokens)
-                vals[f].append(r["decode_tok_s"])
+    log(f"{'weights':<9}{'dtype':<16}{'phase':<9}{'conc':>6}{'tok/s':>10}{'min-max':>16}")
+    for point, c in points:
+        phase = "prefill" if point == "prefill" else "decode"
         for f in WEIGHT_FORMATS:
-            record(f, "decode", c, vals[f])
-    pvals: dict[str, list[float]] = {f: [] for f in WEIGHT_FORMATS}
-    for i in range(repeats):
-        for f in WEIGHT_FORMATS:
-            prompts = sized_prompts(engines[f], prefill_prompts, prefill_tokens, salt=f"p{i}-")
-            pvals[f].append(_prefill_tok_s(engines[f], prompts))
-    for f in WEIGHT_FORMATS:
-        record(f, "prefill", prefill_tokens, pvals[f])
+            dt = str(engines[f].dtype)
+            row = {"weights": f, "dtype": dt, "phase": phase, "concurrency": c}
+            rows.append({**row, **summarize(runs[f"{f} {point}"], ("tok_s",))})
+            mm = f"{rows[-1]['tok_s_min']:.1f}-{rows[-1]['tok_s_max']:.1f}"
+            log(f"{f:<9}{dt:<16}{phase:<9}{c:>6}{rows[-1]['tok_s']:>10.1f}{mm:>16}")
     sizes = weight_byte_figures(engines)
     speed = {}
-    for phase, c in [("decode", c) for c in concurrency] + [("prefill", prefill_tokens)]:
-        by = {r["weights"]: r["tok_s"] for r in rows if r["phase"] == phase and r["concurrency"] == c}
-        speed[f"{phase}_c{c}" if phase == "decode" else phase] = {
-            f: by[f] / by["bf16"] for f in WEIGHT_FORMATS if f != "bf16"
+    for point, _ in points:
+        dense = [x["tok_s"] for x in runs[f"bf16 {point}"]]
+        speed[point] = {
+            f: paired_ratio([x["tok_s"] for x in runs[f"{f} {point}"]], dense)
+            for f in WEIGHT_FORMATS
+            if f != "bf16"
         }
     mib = 2**20
     log("weight bytes (MiB, whole model / blocks' linear layers):")
@@ -324,17 +387,21 @@ def bench_weights(
         f"{sizes['int4_linear_ratio_vs_true_bf16']:.3f}x of a true 2-byte bf16"
     )
     log(
-        "speed vs dense: "
-        + ", ".join(f"{k}: " + "/".join(f"{f} {v:.2f}x" for f, v in d.items()) for k, d in speed.items())
+        "speed vs dense bf16 (median of paired ratios): "
+        + ", ".join(
+            f"{k}: " + "/".join(f"{f} {v['median']:.2f}x" for f, v in d.items()) for k, d in speed.items()
+        )
     )
     return {
         "bench": "weights",
+        **environment(),
         "model": cfg.model,
-        "dtype": str(engines["bf16"].dtype),
-        "threads": torch.get_num_threads(),
+        "dtype": {f: str(e.dtype) for f, e in engines.items()},
         "max_tokens": max_tokens,
         "repeats": repeats,
         "prefill_prompts": prefill_prompts,
+        "method": "dense = true bfloat16; decode: steps holding every sequence; prefill: prefill steps; "
+        "warm-up, then repeats interleaved bf16/fp8/int4 per point; median, min, max; ratios paired per repeat",
         "rows": rows,
         "speedup_vs_dense": speed,
         **sizes,
@@ -348,6 +415,6 @@ def plot_weights(path: Path, result: dict) -> None:
         key="weights",
         x="concurrency",
         y="tok_s",
-        title=f"decode tok/s by weight format ({result['dtype']} compute)",
+        title=f"decode tok/s by weight format ({result['threads']} threads)",
         ylabel="aggregate decode tokens/s",
     )

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from pagoda.node_agent.bench.common import Log, bench_prompts, echo, plot_lines
+from pagoda.node_agent.bench.common import Log, bench_prompts, echo, environment, plot_lines
 from pagoda.node_agent.serving import launch
 
 SHARED_PREAMBLE = (
@@ -149,7 +149,12 @@ def bench_serve(
                 rows += bench_mode(mode, f"http://127.0.0.1:{port}", served, **point)
             finally:
                 launch.stop([proc], timeout=30)
-    return {"bench": "serve", "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
+    env = {
+        **environment(),
+        "threads": None,
+        "threads_note": "each server process runs with torch's default threads",
+    }
+    return {"bench": "serve", **env, "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
             "engine_args": engine_argv, "rows": rows}  # fmt: skip
 
 

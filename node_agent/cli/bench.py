@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from pagoda.node_agent.bench.common import write_result
+from pagoda.node_agent.bench.common import environment, write_result
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_argv, engine_config_from_args
 
 JSON_HELP = "write results here (and a PNG beside it)"
@@ -85,7 +85,7 @@ def cmd_bench_integrity(a: argparse.Namespace) -> int:
 
     cfg = engine_config_from_args(a)
     result = bench_integrity(cfg, a.concurrency, a.input_len, a.output_len, a.repeats, a.threads)
-    write_result(a.json, result, lambda p: plot_integrity(p, result))
+    write_result(a.json, result, lambda p: plot_integrity(p, result), command_line(a))
     return 0
 
 
@@ -94,14 +94,14 @@ def cmd_bench_kv(a: argparse.Namespace) -> int:
 
     cfg = engine_config_from_args(a)
     if a.capacity_only:
-        result = bench_kv_capacity(cfg)
+        result = {**bench_kv_capacity(cfg), **environment(command_line(a))}
         if a.json:
             Path(a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(a.json).write_text(json.dumps(result, indent=2))
             print(f"wrote {a.json}")
         return 0
-    result = bench_kv(cfg, a.concurrency, a.max_tokens, a.pages_per_seq, a.threads)
-    write_result(a.json, result, lambda p: plot_kv(p, result))
+    result = bench_kv(cfg, a.concurrency, a.max_tokens, a.pages_per_seq, a.threads, repeats=a.repeats)
+    write_result(a.json, result, lambda p: plot_kv(p, result), command_line(a))
     return 0
 
 
@@ -112,7 +112,7 @@ def cmd_bench_weights(a: argparse.Namespace) -> int:
     result = bench_weights(
         cfg, a.concurrency, a.max_tokens, a.prefill_tokens, a.prefill_prompts, a.repeats, a.threads
     )
-    write_result(a.json, result, lambda p: plot_weights(p, result))
+    write_result(a.json, result, lambda p: plot_weights(p, result), command_line(a))
     return 0
 
 
@@ -129,7 +129,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         url=a.url,
         start_timeout=a.start_timeout,
     )
-    write_result(a.json, result, lambda p: plot_serve(p, result))
+    write_result(a.json, result, lambda p: plot_serve(p, result), command_line(a))
     return 0
 
 
@@ -137,7 +137,7 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     from pagoda.node_agent.bench.kernels import bench_kernels, plot_kernels
 
     result = bench_kernels(a.device, quick=a.quick, threads=a.threads)
-    write_result(a.json, result, lambda p: plot_kernels(p, result))
+    write_result(a.json, result, lambda p: plot_kernels(p, result), command_line(a))
     return 0
 
 
@@ -167,11 +167,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--concurrency", type=parse_int_list, default=[1, 4, 8, 32])
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (2048 on a GPU)")
-    p.add_argument("--output-len", type=int, default=32, help="generated tokens (256 on a GPU)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=32,
+        help="decode steps timed with the whole batch running (256 on a GPU)",
+    )
+    add_method_args(p, threads_default=0)
     p.add_argument("--json", default=None, help=JSON_HELP)
-    p.set_defaults(func=cmd_bench_integrity)
+    p.set_defaults(func=cmd_bench_integrity, bench_parser=p)
 
     k = bs.add_parser("kv", help="KV capacity and decode tok/s: bf16 vs fp8_e4m3 under one budget")
     add_engine_args(k)
@@ -180,27 +184,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--pages-per-seq", type=int, default=None, help="default: fills 85%% of fp8 at top concurrency"
     )
-    k.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    add_method_args(k, threads_default=1)
     k.add_argument(
         "--capacity-only",
         action="store_true",
         help="only bytes per token and capacity, from the model's config.json (no weights loaded, no decode)",
     )
     k.add_argument("--json", default=None, help=JSON_HELP)
-    k.set_defaults(func=cmd_bench_kv)
+    k.set_defaults(func=cmd_bench_kv, bench_parser=k)
 
-    w = bs.add_parser("weights", help="decode/prefill tok/s and weight bytes: bf16 vs fp8 vs int4")
+    w = bs.add_parser("weights", help="decode/prefill tok/s and weight bytes: true bf16 vs fp8 vs int4")
     add_engine_args(w)
     w.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 64])
     w.add_argument("--max-tokens", type=int, default=32)
     w.add_argument("--prefill-tokens", type=int, default=256, help="tokens per prefill prompt")
     w.add_argument("--prefill-prompts", type=int, default=4)
-    w.add_argument(
-        "--repeats", type=int, default=3, help="median over this many runs (concurrency 1, prefill)"
-    )
-    w.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
+    add_method_args(w, threads_default=1)
     w.add_argument("--json", default=None, help=JSON_HELP)
-    w.set_defaults(func=cmd_bench_weights)
+    w.set_defaults(func=cmd_bench_weights, bench_parser=w)
 
     s = bs.add_parser("serve", help="live server: throughput, TTFT, ITL, prefix hit rate (both modes)")
     add_engine_args(s)
@@ -214,7 +215,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--url", default=None, help="bench this running server instead of starting one")
     s.add_argument("--start-timeout", type=float, default=600)
     s.add_argument("--json", default=None, help=JSON_HELP)
-    s.set_defaults(func=cmd_bench_serve)
+    s.set_defaults(func=cmd_bench_serve, bench_parser=s)
 
     g = bs.add_parser(
         "kernels", help="kernel micro-benchmarks: INT4/FP8 vs dense GEMM, FP8 vs BF16 KV attention"
@@ -223,4 +224,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument("--json", default=None, help=JSON_HELP)
-    g.set_defaults(func=cmd_bench_kernels)
+    g.set_defaults(func=cmd_bench_kernels, bench_parser=g)
