@@ -129,7 +129,9 @@ def run_eval(
     """Score every entry against the float32 reference; returns the JSON-ready result."""
     prompts = EVAL_PROMPTS if prompts is None else prompts
     t0 = time.perf_counter()
-    ref = make_engine(dtype="float32", formats=PhaseFormats.reference(), kv_memory=kv_memory)
+    ref = make_engine(
+        dtype="float32", formats=PhaseFormats.reference(), kv_memory=kv_memory, decode_lm_head="dense"
+    )
     ids = ref.tokenize(text)[:max_text_tokens]
     ref_logits = ref.score(ids, phase="decode")
     ref_greedy = greedy_tokens(ref, prompts, max_new_tokens)
