@@ -11,6 +11,9 @@ COPY pagoda ./pagoda
 COPY operator ./operator
 COPY node_agent ./node_agent
 COPY kernels ./kernels
+# The CRD the operator server-side applies at start (and `render` validates against).
+COPY crds ./crds
+ENV PAGODA_CRD_FILE=/app/crds/modeldeployment.yaml
 # Only the operator extra (kopf, aiohttp) and the core (pyyaml): no torch, no engine dependencies.
 RUN pip install ".[operator]"
 

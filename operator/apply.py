@@ -2,7 +2,9 @@
 
 A child is in sync when every field the operator sets has the value it sets (fields the API
 server adds or defaults are ignored). Fields the operator set on a previous pass and no longer
-sets are removed via the ``pagoda.dev/last-applied`` annotation, as a three-way merge.
+sets are removed via the ``pagoda.dev/last-applied`` annotation, as a three-way merge. A
+Deployment's ``spec.replicas`` is never recorded there: when an autoscaler takes a pool over, the
+operator stops setting it, and must not remove it either (the API server would reset it to 1).
 """
 
 from __future__ import annotations
@@ -95,19 +97,29 @@ def removals(old: Any, new: Any) -> Any:
     return out
 
 
+def _unowned_removed(obj: Obj) -> Obj:
+    """``obj`` without the fields a removal must never touch (a Deployment's replicas)."""
+    out = json.loads(json.dumps(obj))
+    if out.get("kind") == "Deployment" and isinstance(out.get("spec"), dict):
+        out["spec"].pop("replicas", None)
+    return out
+
+
 def _stamped(desired: Obj) -> Obj:
     stamped = json.loads(json.dumps(desired))
     annotations = stamped["metadata"].setdefault("annotations", {})
-    annotations[LAST_APPLIED] = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+    recorded = _unowned_removed(desired)
+    annotations[LAST_APPLIED] = json.dumps(recorded, sort_keys=True, separators=(",", ":"))
     return stamped
 
 
 def _last_applied(live: Obj) -> Obj | None:
     raw = (live.get("metadata", {}).get("annotations") or {}).get(LAST_APPLIED)
     try:
-        return json.loads(raw) if raw else None
+        last = json.loads(raw) if raw else None
     except ValueError:
         return None
+    return _unowned_removed(last) if isinstance(last, dict) else None
 
 
 def in_sync(desired: Obj, live: Obj) -> bool:

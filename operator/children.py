@@ -1,10 +1,12 @@
-"""Manifests of the objects one ModelDeployment owns: pools, router, services, agent RBAC,
-network policies.
+"""Manifests of the objects one ModelDeployment owns: pools, router, services (ClusterIP and
+headless per pool), agent RBAC, network policies, disruption budgets and autoscalers.
 
 Everything here is a pure function of the ModelDeployment and the operator settings, so the
 reconciler can compare what it builds with what the cluster holds. The agents take their whole
 configuration from their command line (``agent_args``) and environment (``agent_env``), both in the
-pod template, so every change an agent must see rolls its pods and nothing else does.
+pod template, so every change an agent must see rolls its pods and nothing else does: replicas,
+autoscaling, budgets and the operator's own settings live outside the pod templates, and each
+role gets only the flags it reads (the router no formats, the engines no router flags).
 
 The one child that is not built here is the ``<md>-internal`` Secret: its data is random, so it is
 created once by ``credentials.py``; the pods reference it by name, and its uid (which changes only
@@ -17,8 +19,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from . import podspec, scaling
 from .config import Config
-from .spec import API_VERSION, GROUP, KIND, PLURAL, Pool, Spec
+from .spec import API_VERSION, GROUP, KIND, PLURAL, Drain, Pool, Spec
 
 PORT = 8000
 KV_PORT = 9000  # decode pods receive KV pages from prefill pods here
@@ -33,7 +36,11 @@ INTERNAL_TOKEN_KEY = "internal-token"
 TENANT_SECRET_KEY = "tenant-secret"
 API_KEYS_DIR = "/etc/pagoda/api-keys"
 API_KEYS_FILE = f"{API_KEYS_DIR}/keys"
-API_KEYS_MODE = 0o440  # owner and group (fsGroup 1000) read, nobody else
+# Readable by the pod's uid whatever it is: no fixed uid or fsGroup (Pod Security "restricted",
+# OpenShift restricted-v2); only the router container runs in a router pod.
+API_KEYS_MODE = 0o444
+HEADLESS_LABEL = "pagoda.dev/headless"  # per-pod DNS Services; the ServiceMonitor skips them
+PROBE_PERIOD_S = 10
 
 Obj = dict[str, Any]
 
@@ -80,9 +87,14 @@ def child_name(md_name: str, component: str) -> str:
     return f"{md_name}-{component}"
 
 
-def service_url(md_name: str, namespace: str, pool: str) -> str:
-    """In-cluster URL of a pool's Service."""
-    return f"http://{child_name(md_name, pool)}.{namespace}.svc:{PORT}"
+def headless_name(md_name: str, pool: str) -> str:
+    """Headless Service of a pool: one DNS A record per ready pod."""
+    return f"{md_name}-{pool}-pods"
+
+
+def pool_dns(md_name: str, namespace: str, pool: str, domain: str = "cluster.local") -> str:
+    """``HOST:PORT`` the router resolves to find each ready pod of a pool."""
+    return f"{headless_name(md_name, pool)}.{namespace}.svc.{domain}:{PORT}"
 
 
 def model_argument(source: str) -> str:
@@ -93,19 +105,35 @@ def model_argument(source: str) -> str:
     return source
 
 
-def agent_args(spec: Spec, role: str, md_name: str = "", namespace: str = "") -> list[str]:
-    """Command line of ``pagoda serve`` for one role (prefill, decode or router)."""
-    pool = spec.decode if role == "router" else spec.pool(role)
-    args = [
-        "serve",
-        "--role",
-        role,
-        "--model",
-        model_argument(spec.source),
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(PORT),
+def agent_args(
+    spec: Spec, role: str, md_name: str = "", namespace: str = "", domain: str = "cluster.local"
+) -> list[str]:
+    """Command line of ``pagoda serve`` for one role (prefill, decode or router).
+
+    Engines get all four formats (each knows the handoff and reports them) and the engine flags of
+    their own pool; the router gets only what it reads: the model name, routing flags and where to
+    find each pool's pods (the pools' headless Services, re-resolved by the router)."""
+    head = ["serve", "--role", role, "--model", model_argument(spec.source), "--host", "0.0.0.0"]
+    head += ["--port", str(PORT)]
+    if role == "router":
+        args = head + ["--tenant-header", spec.routing.tenant_header]
+        if not spec.routing.prefix_caching:
+            args.append("--no-prefix-caching")
+        if not spec.routing.session_affinity:
+            args.append("--no-session-affinity")
+        if spec.routing.trust_tenant_header:
+            args.append("--trust-tenant-header")
+        args += [
+            "--prefill-dns",
+            pool_dns(md_name, namespace, "prefill", domain),
+            "--decode-dns",
+            pool_dns(md_name, namespace, "decode", domain),
+            "--drain-timeout",
+            str(spec.router.drain.timeout_s),
+        ]
+        return args
+    pool = spec.pool(role)
+    args = head + [
         "--prefill-weights",
         spec.prefill.weight_format,
         "--prefill-kv",
@@ -121,25 +149,15 @@ def agent_args(spec: Spec, role: str, md_name: str = "", namespace: str = "") ->
         "--max-num-seqs",
         str(pool.max_concurrency),
         "--tensor-parallel",
-        str(1 if role == "router" else pool.tensor_parallel),
+        str(pool.tensor_parallel),
         "--tenant-header",
         spec.routing.tenant_header,
     ]
     if not spec.routing.prefix_caching:
         args.append("--no-prefix-caching")
-    if not spec.routing.session_affinity:
-        args.append("--no-session-affinity")
     if role == "decode":
         args += ["--kv-port", str(KV_PORT)]
-    if role == "router":
-        if spec.routing.trust_tenant_header:
-            args.append("--trust-tenant-header")
-        args += [
-            "--prefill-endpoints",
-            service_url(md_name, namespace, "prefill"),
-            "--decode-endpoints",
-            service_url(md_name, namespace, "decode"),
-        ]
+    args += ["--drain-timeout", str(pool.drain.timeout_s)]
     return args
 
 
@@ -166,23 +184,6 @@ def agent_env(meta: Obj, role: str, cfg: Config, spec: Spec | None = None) -> li
     if role == "router" and spec is not None and spec.auth.api_keys_secret is not None:
         env.append({"name": "PAGODA_API_KEYS_FILE", "value": API_KEYS_FILE})
     return env
-
-
-def _fp8_affinity(user: Obj, cfg: Config) -> Obj:
-    """User affinity with an extra required node term for FP8-capable GPU products.
-
-    Required node selector terms are ORed, the expressions inside one term ANDed, so the FP8
-    expression is added to every user term (or forms the only term).
-    """
-    affinity = copy.deepcopy(user)
-    expr = {"key": cfg.fp8_node_label, "operator": "In", "values": list(cfg.fp8_products)}
-    node = affinity.setdefault("nodeAffinity", {})
-    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
-    terms = required.get("nodeSelectorTerms") or [{}]
-    for term in terms:
-        term.setdefault("matchExpressions", []).append(expr)
-    required["nodeSelectorTerms"] = terms
-    return affinity
 
 
 def _resources(pool: Pool) -> Obj:
@@ -214,26 +215,34 @@ def _volumes(spec: Spec, role: str) -> tuple[list[Obj], list[Obj]]:
     return volumes, mounts
 
 
+def _drain_of(spec: Spec, role: str) -> Drain:
+    return spec.router.drain if role == "router" else spec.pool(role).drain
+
+
 def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj) -> Obj:
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
     ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    startup_s = 300 if role == "router" else spec.pool(role).startup_s
     container: Obj = {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["pagoda"],
-        "args": agent_args(spec, role, meta["name"], meta["namespace"]),
+        "args": agent_args(spec, role, meta["name"], meta["namespace"], cfg.cluster_domain),
         "env": agent_env(meta, role, cfg, spec),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "livenessProbe": probe,
         "readinessProbe": ready,
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 90,
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": max(1, -(-startup_s // PROBE_PERIOD_S)),
         },
+        # The pod leaves the Service endpoints while preStop sleeps; then SIGTERM makes the server
+        # refuse new requests and finish the running ones within --drain-timeout.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(_drain_of(spec, role).pre_stop_s)]}}},
         "resources": resources,
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": podspec.container_security_context(),
     }
     if role == "decode":
         container["ports"].append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
@@ -244,27 +253,40 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
     return container
 
 
+def autoscaled(spec: Spec, role: str) -> bool:
+    """Whether an autoscaler owns the replicas of this role's Deployment."""
+    return role != "router" and spec.pool(role).autoscaling is not None
+
+
 def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None) -> Obj:
     """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router.
 
     ``internal_uid`` is the uid of the live ``<md>-internal`` Secret: a new Secret rolls the pods.
+    An autoscaled pool's Deployment carries no ``replicas``: the autoscaler owns them (the
+    operator creates it at ``minReplicas`` and never reverts a scale).
     """
     name = meta["name"]
     volumes, mounts = _volumes(spec, role)
+    drain = _drain_of(spec, role)
     pod_spec: Obj = {
         "serviceAccountName": child_name(name, "agent"),
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
+        "securityContext": podspec.pod_security_context(),
+        "terminationGracePeriodSeconds": drain.grace_s,
     }
     if volumes:
         pod_spec["volumes"] = volumes
+    annotations: Obj = {}
     if role == "router":
-        replicas = spec.router.replicas
+        replicas: int | None = spec.router.replicas
+        rolling, overlay = spec.router.rolling_update, spec.router.pod_template
         pod_spec["containers"] = [
             _container(meta, spec, role, cfg, mounts, {"requests": {"cpu": "250m", "memory": "512Mi"}})
         ]
     else:
         pool = spec.pool(role)
-        replicas = pool.replicas
+        replicas = None if pool.autoscaling is not None else pool.replicas
+        rolling, overlay = pool.rolling_update, pool.pod_template
+        annotations[HANDOFF_ANNOTATION] = spec.handoff
         pod_spec["containers"] = [_container(meta, spec, role, cfg, mounts, _resources(pool))]
         if pool.node_selector:
             pod_spec["nodeSelector"] = dict(pool.node_selector)
@@ -273,28 +295,35 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str 
             tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
         if tolerations:
             pod_spec["tolerations"] = tolerations
-        affinity = _fp8_affinity(pool.affinity, cfg) if pool.uses_fp8 and pool.gpus > 0 else pool.affinity
+        affinity = (
+            podspec.fp8_affinity(pool.affinity, cfg) if pool.uses_fp8 and pool.gpus > 0 else pool.affinity
+        )
         if affinity:
             pod_spec["affinity"] = affinity
+    if internal_uid:
+        annotations[INTERNAL_SECRET_ANNOTATION] = internal_uid
+    template: Obj = {"metadata": {"labels": labels(name, role)}, "spec": pod_spec}
+    if annotations:
+        template["metadata"]["annotations"] = annotations
+    if overlay:
+        template = podspec.strategic_merge(template, overlay)
+        template["metadata"]["labels"].update(labels(name, role))  # the selector labels stay ours
+    dep_spec: Obj = {
+        "selector": {"matchLabels": selector(name, role)},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": rolling.max_surge, "maxUnavailable": rolling.max_unavailable},
+        },
+        "progressDeadlineSeconds": spec.rollout.progress_deadline_s,
+        "template": template,
+    }
+    if replicas is not None:
+        dep_spec = {"replicas": replicas, **dep_spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": _metadata(meta, child_name(name, role), role),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector(name, role)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {
-                    "labels": labels(name, role),
-                    "annotations": {
-                        HANDOFF_ANNOTATION: spec.handoff,
-                        **({INTERNAL_SECRET_ANNOTATION: internal_uid} if internal_uid else {}),
-                    },
-                },
-                "spec": pod_spec,
-            },
-        },
+        "spec": dep_spec,
     }
 
 
@@ -314,6 +343,52 @@ def service(meta: Obj, spec: Spec, role: str) -> Obj:
         "metadata": _metadata(meta, child_name(meta["name"], role), role),
         "spec": svc_spec,
     }
+
+
+def headless_service(meta: Obj, role: str) -> Obj:
+    """Headless Service ``<md>-<pool>-pods``: DNS returns one A record per ready pod of the pool, so
+    the router sees (and routes, marks down, pins sessions to) each pod, not one Service IP."""
+    metadata = _metadata(meta, headless_name(meta["name"], role), role)
+    metadata["labels"][HEADLESS_LABEL] = "true"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector(meta["name"], role),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def scaling_children(meta: Obj, spec: Spec, cfg: Config) -> list[Obj]:
+    """PodDisruptionBudgets (pools and router, unless disabled) and autoscalers of autoscaled pools."""
+    objs: list[Obj] = []
+    name = meta["name"]
+    for role in ("prefill", "decode", "router"):
+        budget = spec.router.disruption_budget if role == "router" else spec.pool(role).disruption_budget
+        if budget.enabled:
+            md = _metadata(meta, child_name(name, role), role)
+            objs.append(scaling.disruption_budget(md, selector(name, role), budget))
+    for role in ("prefill", "decode"):
+        auto = spec.pool(role).autoscaling
+        if auto is not None:
+            md = _metadata(meta, child_name(name, role), role)
+            objs.append(scaling.autoscaler(md, child_name(name, role), auto, cfg))
+    return objs
+
+
+def optional_children(meta: Obj, cfg: Config) -> list[tuple[str, str]]:
+    """(kind, name) of every child a spec may turn off: deleted when not desired (if ours). Only
+    the autoscaler kind the operator runs with is looked at (the other may not be served)."""
+    name = meta["name"]
+    out = [("NetworkPolicy", child_name(name, role)) for role in ("decode", "prefill")]
+    out += [("PodDisruptionBudget", child_name(name, role)) for role in ("prefill", "decode", "router")]
+    kind = "ScaledObject" if cfg.autoscaler == "keda" else "HorizontalPodAutoscaler"
+    out += [(kind, child_name(name, role)) for role in ("prefill", "decode")]
+    return out
 
 
 def agent_rbac(meta: Obj) -> list[Obj]:
@@ -389,9 +464,12 @@ def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
 
 def build(meta: Obj, spec: Spec, cfg: Config, internal_uid: str | None = None) -> dict[str, Obj]:
     """All children keyed by ``Kind/name``, in the order they should be applied (the network
-    policies before the pods they fence)."""
+    policies before the pods they fence, the Deployments before their autoscalers)."""
     objs = agent_rbac(meta) + network_policies(meta, spec)
     for role in ("decode", "prefill", "router"):
         objs.append(deployment(meta, spec, role, cfg, internal_uid))
         objs.append(service(meta, spec, role))
+        if role != "router":
+            objs.append(headless_service(meta, role))
+    objs += scaling_children(meta, spec, cfg)
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

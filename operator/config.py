@@ -6,17 +6,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-DEFAULT_FP8_PRODUCTS = (
-    "NVIDIA-H100-80GB-HBM3",
-    "NVIDIA-H100-PCIe",
-    "NVIDIA-H100-NVL",
-    "NVIDIA-H200",
-    "NVIDIA-H200-NVL",
-    "NVIDIA-L4",
-    "NVIDIA-L40S",
-    "NVIDIA-B200",
-    "NVIDIA-GB200",
-)
+FP8_PLACEMENTS = ("computeCapability", "label", "none")
+AUTOSCALERS = ("hpa", "keda")
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    if value is None or value == "":
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
@@ -26,23 +23,43 @@ class Config:
     resync_s: float = 10.0
     stale_after_s: float = 60.0
     report_interval_s: int = 10
-    fp8_node_label: str = "nvidia.com/gpu.product"
-    fp8_products: tuple[str, ...] = DEFAULT_FP8_PRODUCTS
+    # FP8 placement: "computeCapability" (GPU feature discovery's compute capability >= 8.9),
+    # "label" (nodes carrying fp8_node_label=true) or "none".
+    fp8_placement: str = "computeCapability"
+    fp8_node_label: str = "pagoda.dev/fp8"
     namespaces: tuple[str, ...] = field(default_factory=tuple)
+    autoscaler: str = "hpa"  # or "keda": ScaledObjects instead of HPAs
+    prometheus_address: str = "http://prometheus-operated.monitoring.svc:9090"  # KEDA's query endpoint
+    cluster_domain: str = "cluster.local"
+    status_max_agents: int = 16  # per-agent entries kept in the CR status, worst first
+    install_crd: bool = True  # server-side apply the CRD at start
+    crd_file: str = ""  # empty: crds/modeldeployment.yaml next to the package, else /app/crds
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
         """Build the settings from PAGODA_* variables; unset ones keep their defaults."""
         env = os.environ if env is None else env
-        products = env.get("PAGODA_FP8_GPU_PRODUCTS")
         namespaces = env.get("PAGODA_WATCH_NAMESPACES", "")
+        placement = env.get("PAGODA_FP8_PLACEMENT") or cls.fp8_placement
+        if placement not in FP8_PLACEMENTS:
+            raise ValueError(f"PAGODA_FP8_PLACEMENT {placement!r} is not one of {FP8_PLACEMENTS}")
+        autoscaler = env.get("PAGODA_AUTOSCALER") or cls.autoscaler
+        if autoscaler not in AUTOSCALERS:
+            raise ValueError(f"PAGODA_AUTOSCALER {autoscaler!r} is not one of {AUTOSCALERS}")
+        max_agents = int(env.get("PAGODA_STATUS_MAX_AGENTS", cls.status_max_agents))
+        if not 0 <= max_agents <= 256:
+            raise ValueError("PAGODA_STATUS_MAX_AGENTS must be within 0-256")
         return cls(
             resync_s=float(env.get("PAGODA_RESYNC_S", cls.resync_s)),
             stale_after_s=float(env.get("PAGODA_STALE_AFTER_S", cls.stale_after_s)),
             report_interval_s=int(env.get("PAGODA_REPORT_INTERVAL_S", cls.report_interval_s)),
-            fp8_node_label=env.get("PAGODA_FP8_NODE_LABEL", cls.fp8_node_label),
-            fp8_products=tuple(p.strip() for p in products.split(",") if p.strip())
-            if products
-            else DEFAULT_FP8_PRODUCTS,
+            fp8_placement=placement,
+            fp8_node_label=env.get("PAGODA_FP8_NODE_LABEL") or cls.fp8_node_label,
             namespaces=tuple(n.strip() for n in namespaces.split(",") if n.strip()),
+            autoscaler=autoscaler,
+            prometheus_address=env.get("PAGODA_PROMETHEUS_ADDRESS") or cls.prometheus_address,
+            cluster_domain=env.get("PAGODA_CLUSTER_DOMAIN") or cls.cluster_domain,
+            status_max_agents=max_agents,
+            install_crd=_flag(env.get("PAGODA_INSTALL_CRD"), cls.install_crd),
+            crd_file=env.get("PAGODA_CRD_FILE", cls.crd_file),
         )

@@ -71,7 +71,28 @@ def check(spec: Spec) -> list[Problem]:
                 "or fp8_e4m3->fp8_e4m3",
             )
         )
-    if (spec.prefill.replicas == 0) != (spec.decode.replicas == 0):
+    for name in POOLS:
+        auto = spec.pool(name).autoscaling
+        if auto is None:
+            continue
+        if not 1 <= auto.min_replicas <= auto.max_replicas:
+            problems.append(
+                Problem(
+                    "InvalidAutoscaling",
+                    f"{name}.autoscaling needs 1 <= minReplicas ({auto.min_replicas}) <= maxReplicas "
+                    f"({auto.max_replicas})",
+                )
+            )
+        if not auto.targets.items():
+            problems.append(
+                Problem(
+                    "InvalidAutoscaling",
+                    f"{name}.autoscaling sets no target: give at least one of waitingRequests, "
+                    "kvCacheUsage, ttftSeconds, itlSeconds",
+                )
+            )
+    running = {n: spec.pool(n).autoscaling is not None or spec.pool(n).replicas > 0 for n in POOLS}
+    if running["prefill"] != running["decode"]:
         problems.append(
             Problem(
                 "InvalidReplicas",

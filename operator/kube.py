@@ -22,15 +22,27 @@ KINDS: dict[str, tuple[str, str]] = {
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "ModelDeployment": ("/apis/pagoda.dev/v1alpha1", "modeldeployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
 }
 
 
 class ApiError(Exception):
-    """A non-2xx answer of the API server."""
+    """A non-2xx answer of the API server; ``message`` is the Status object's message when it sent one."""
 
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"HTTP {status}: {body[:500]}")
         self.status = status
+        self.message = f"HTTP {status}"
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+            self.message = parsed["message"][:500]
+        elif body.strip():
+            self.message = f"HTTP {status}: {body.strip()[:300]}"
 
 
 def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:

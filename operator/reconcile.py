@@ -16,7 +16,7 @@ from . import children, credentials, formats, rollout
 from .apply import ensure, removals
 from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
 from .config import Config
-from .kube import Kube
+from .kube import ApiError, Kube
 from .spec import POOLS, Spec, parse
 from .status import classify, pool_figures, window
 
@@ -48,6 +48,8 @@ class Outcome:
     problems: list[formats.Problem] = field(default_factory=list)
     # Problems with the credentials the pods need: the children are still applied.
     credential_problems: list[formats.Problem] = field(default_factory=list)
+    # Children the API server refused to create, patch or delete: "Kind/name: its message".
+    apply_errors: list[str] = field(default_factory=list)
 
 
 def _replicas(dep: Obj | None, key: str) -> int:
@@ -68,24 +70,49 @@ async def _credentials(kube: Kube, meta: Obj, spec: Spec, out: Outcome) -> str |
     return (internal.get("metadata") or {}).get("uid")
 
 
-async def _remove_network_policies(kube: Kube, meta: Obj, out: Outcome) -> None:
-    """With ``networkPolicy.enabled: false``, delete the policies this ModelDeployment owns."""
-    for role in ("decode", "prefill"):
-        name = children.child_name(meta["name"], role)
-        live = await kube.get("NetworkPolicy", meta["namespace"], name)
-        owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
-        if live is None or not any(o.get("uid") == meta["uid"] for o in owners):
-            continue  # absent, or not ours: leave it alone
-        if await kube.delete("NetworkPolicy", meta["namespace"], name, live["metadata"].get("uid")):
-            out.actions[f"NetworkPolicy/{name}"] = "deleted"
+async def _remove_unwanted(kube: Kube, meta: Obj, desired: dict[str, Obj], cfg: Config, out: Outcome) -> None:
+    """Delete the optional children (policies, budgets, autoscalers) the spec no longer asks for,
+    only those whose ownerReference is this ModelDeployment."""
+    for kind, name in children.optional_children(meta, cfg):
+        key = f"{kind}/{name}"
+        if key in desired:
+            continue
+        try:
+            live = await kube.get(kind, meta["namespace"], name)
+            owners = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+            if live is None or not any(o.get("uid") == meta["uid"] for o in owners):
+                continue  # absent, or not ours: leave it alone
+            if await kube.delete(kind, meta["namespace"], name, live["metadata"].get("uid")):
+                out.actions[key] = "deleted"
+        except ApiError as err:
+            if err.status == 404:  # the kind is not served (no KEDA): nothing of it to remove
+                continue
+            out.apply_errors.append(f"{key}: {err.message}")
+
+
+async def _apply_one(kube: Kube, key: str, obj: Obj, current: Obj | None, action: str, out: Outcome) -> None:
+    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    if action == rollout.HOLD:
+        return
+    if action == rollout.DRAIN:
+        if current is None:
+            obj = {**obj, "spec": {**obj["spec"], "replicas": 0}}
+        elif (current.get("spec") or {}).get("replicas") != 0:
+            await kube.patch("Deployment", ns, name, {"spec": {"replicas": 0}})
+            out.actions[key] = "drained"
+            return
+        else:
+            return
+    result = await ensure(kube, obj, current)
+    if result != "unchanged":
+        out.actions[key] = result
 
 
 async def _converge(kube: Kube, meta: Obj, spec: Spec, cfg: Config, out: Outcome) -> dict[str, Obj | None]:
     ns = meta["namespace"]
     internal_uid = await _credentials(kube, meta, spec, out)
-    if not spec.network_policy.enabled:
-        await _remove_network_policies(kube, meta, out)
     desired = children.build(meta, spec, cfg, internal_uid)
+    await _remove_unwanted(kube, meta, desired, cfg, out)
     live = {
         role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
         for role in ("prefill", "decode", "router")
@@ -95,30 +122,35 @@ async def _converge(kube: Kube, meta: Obj, spec: Spec, cfg: Config, out: Outcome
     actions = {"prefill": plan.prefill, "decode": plan.decode}
     for key, obj in desired.items():
         role = obj["metadata"]["labels"][children.POOL_LABEL]
-        action = actions.get(role, rollout.APPLY) if obj["kind"] == "Deployment" else rollout.APPLY
-        current = (
-            live[role]
-            if obj["kind"] == "Deployment"
-            else await kube.get(obj["kind"], ns, obj["metadata"]["name"])
-        )
-        if action == rollout.HOLD:
-            continue
-        if action == rollout.DRAIN:
-            if current is None:
-                obj = {**obj, "spec": {**obj["spec"], "replicas": 0}}
-            elif (current.get("spec") or {}).get("replicas") != 0:
-                await kube.patch("Deployment", ns, obj["metadata"]["name"], {"spec": {"replicas": 0}})
-                out.actions[key] = "drained"
-                continue
-            else:
-                continue
-        result = await ensure(kube, obj, current)
-        if result != "unchanged":
-            out.actions[key] = result
+        is_dep = obj["kind"] == "Deployment"
+        action = actions.get(role, rollout.APPLY) if is_dep else rollout.APPLY
+        try:
+            current = live[role] if is_dep else await kube.get(obj["kind"], ns, obj["metadata"]["name"])
+            if is_dep and current is None and children.autoscaled(spec, role):
+                auto = spec.pool(role).autoscaling
+                assert auto is not None
+                obj = {**obj, "spec": {"replicas": auto.min_replicas, **obj["spec"]}}  # then the HPA's
+            await _apply_one(kube, key, obj, current, action, out)
+        except ApiError as err:
+            out.apply_errors.append(f"{key}: {err.message}")
+            log.warning(
+                "cannot apply %s: %s", key, err.message, extra={"modeldeployment": f"{ns}/{meta['name']}"}
+            )
     return {
         role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
         for role in ("prefill", "decode", "router")
     }
+
+
+def desired_replicas(spec: Spec, role: str, dep: Obj | None) -> int:
+    """Replicas a role should have: the spec's, or the autoscaler's (the live Deployment's)."""
+    if role == "router":
+        return spec.router.replicas
+    auto = spec.pool(role).autoscaling
+    if auto is None:
+        return spec.pool(role).replicas
+    live = ((dep or {}).get("spec") or {}).get("replicas")
+    return int(live) if isinstance(live, int) else auto.min_replicas
 
 
 def _conditions(
@@ -139,11 +171,7 @@ def _conditions(
             Condition(DEGRADED, True, reason, why),
             _integrity(spec, rates),
         ]
-    desired = {
-        "prefill": spec.prefill.replicas,
-        "decode": spec.decode.replicas,
-        "router": spec.router.replicas,
-    }
+    desired = {role: desired_replicas(spec, role, deps[role]) for role in ("prefill", "decode", "router")}
     short = [
         f"{role} {_replicas(deps[role], 'readyReplicas')}/{want}"
         for role, want in desired.items()
@@ -163,9 +191,12 @@ def _conditions(
     else:
         progressing = Condition(PROGRESSING, False, "RolloutComplete", "all pools run the current spec")
     creds = out.credential_problems
-    if creds:
+    if out.apply_errors:
+        why = "; ".join(out.apply_errors)
+        ready = Condition(READY, False, "ApplyFailed", f"the API server refused a child: {why}")
+    elif creds:
         ready = Condition(READY, False, creds[0].reason, "; ".join(p.message for p in creds))
-    elif spec.prefill.replicas == 0 and spec.decode.replicas == 0:
+    elif desired["prefill"] == 0 and desired["decode"] == 0:
         ready = Condition(READY, False, "Paused", "both pools are scaled to zero")
     elif short or out.stage:
         ready = Condition(
@@ -173,7 +204,9 @@ def _conditions(
         )
     else:
         ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
-    if creds:
+    if out.apply_errors:
+        degraded = Condition(DEGRADED, True, "ApplyFailed", "; ".join(out.apply_errors))
+    elif creds:
         degraded = Condition(DEGRADED, True, creds[0].reason, "; ".join(p.message for p in creds))
     elif stale:
         degraded = Condition(
@@ -224,14 +257,22 @@ def _integrity(spec: Spec, rates: dict[str, float]) -> Condition:
 def _pool_status(role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: float) -> Obj:
     pool = spec.pool(role)
     ready = _replicas(dep, "readyReplicas")
-    return {
-        "desiredReplicas": pool.replicas,
+    want = desired_replicas(spec, role, dep)
+    out: Obj = {
+        "desiredReplicas": want,
+        "currentReplicas": _replicas(dep, "replicas"),
         "readyReplicas": ready,
-        "ready": f"{ready}/{pool.replicas}",
+        "ready": f"{ready}/{want}",
         "formats": f"{pool.weight_format}/{pool.kv_cache_format}",
         **figures,
         "mismatchRate": rate,
     }
+    if pool.autoscaling is not None:
+        out["autoscaling"] = {
+            "minReplicas": pool.autoscaling.min_replicas,
+            "maxReplicas": pool.autoscaling.max_replicas,
+        }
+    return out
 
 
 async def reconcile(
@@ -286,6 +327,7 @@ async def reconcile(
         "decode": _pool_status("decode", spec, deps["decode"], pools["decode"], rates["decode"]),
         "router": {
             "desiredReplicas": spec.router.replicas,
+            "currentReplicas": _replicas(deps["router"], "replicas"),
             "readyReplicas": _replicas(deps["router"], "readyReplicas"),
             "ready": f"{_replicas(deps['router'], 'readyReplicas')}/{spec.router.replicas}",
         },

@@ -16,6 +16,61 @@ API_VERSION = f"{GROUP}/{VERSION}"
 POOLS = PHASES  # one engine pool per phase
 
 
+IntOrPercent = int | str  # a count of pods or "N%"
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Graceful stop of a pod: endpoints propagate during ``pre_stop_s``, then the server drains
+    in-flight requests for at most ``timeout_s`` after SIGTERM."""
+
+    timeout_s: int = 30
+    pre_stop_s: int = 5
+
+    @property
+    def grace_s(self) -> int:
+        """terminationGracePeriodSeconds: preStop, then the drain, then 10 s to exit."""
+        return self.pre_stop_s + self.timeout_s + 10
+
+
+@dataclass(frozen=True)
+class RollingUpdate:
+    max_surge: IntOrPercent = 1
+    max_unavailable: IntOrPercent = 0
+
+
+@dataclass(frozen=True)
+class DisruptionBudget:
+    """PodDisruptionBudget of a pool: at most ``max_unavailable`` pods evicted at once."""
+
+    enabled: bool = True
+    max_unavailable: IntOrPercent = 1
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Per-pod autoscaling targets on the metrics the agents export (None: not a target)."""
+
+    waiting_requests: float | None = None  # pagoda_waiting_sequences, average per pod
+    kv_cache_usage: float | None = None  # kv used / capacity tokens, 0-1
+    ttft_seconds: float | None = None  # p90 time to first token
+    itl_seconds: float | None = None  # p90 inter-token latency
+
+    def items(self) -> list[tuple[str, float]]:
+        """The set targets as (name, value), in a fixed order."""
+        names = ("waiting_requests", "kv_cache_usage", "ttft_seconds", "itl_seconds")
+        return [(n, float(getattr(self, n))) for n in names if getattr(self, n) is not None]
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """An autoscaled pool: the HPA (or KEDA) owns the replicas between the bounds."""
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    targets: Targets = field(default_factory=Targets)
+
+
 @dataclass(frozen=True)
 class Pool:
     """One engine pool (prefill or decode)."""
@@ -31,6 +86,12 @@ class Pool:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     affinity: dict[str, Any] = field(default_factory=dict)
+    autoscaling: Autoscaling | None = None
+    drain: Drain = field(default_factory=Drain)
+    rolling_update: RollingUpdate = field(default_factory=RollingUpdate)
+    disruption_budget: DisruptionBudget = field(default_factory=DisruptionBudget)
+    startup_s: int = 900
+    pod_template: dict[str, Any] = field(default_factory=dict)
 
     @property
     def uses_fp8(self) -> bool:
@@ -86,6 +147,17 @@ class Router:
     replicas: int = 1
     service_type: str = "ClusterIP"
     port: int = 8000
+    drain: Drain = field(default_factory=Drain)
+    rolling_update: RollingUpdate = field(default_factory=RollingUpdate)
+    disruption_budget: DisruptionBudget = field(default_factory=DisruptionBudget)
+    pod_template: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Format changes: how long a new pool pair may take to become ready before Degraded."""
+
+    progress_deadline_s: int = 1800
 
 
 @dataclass(frozen=True)
@@ -103,6 +175,7 @@ class Spec:
     router: Router = field(default_factory=Router)
     auth: Auth = field(default_factory=Auth)
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
+    rollout: Rollout = field(default_factory=Rollout)
 
     def pool(self, name: str) -> Pool:
         """The prefill or decode pool by name."""
@@ -112,6 +185,48 @@ class Spec:
     def handoff(self) -> str:
         """The KV handoff between the pools, e.g. ``bf16->fp8_e4m3``."""
         return f"{self.prefill.kv_cache_format}->{self.decode.kv_cache_format}"
+
+
+def _int_or_percent(value: Any, default: IntOrPercent) -> IntOrPercent:
+    if value is None:
+        return default
+    return value if isinstance(value, str) else int(value)
+
+
+def _drain(raw: dict[str, Any] | None) -> Drain:
+    raw, d = raw or {}, Drain()
+    return Drain(int(raw.get("timeoutSeconds", d.timeout_s)), int(raw.get("preStopSeconds", d.pre_stop_s)))
+
+
+def _rolling(raw: dict[str, Any] | None) -> RollingUpdate:
+    raw, d = raw or {}, RollingUpdate()
+    return RollingUpdate(
+        _int_or_percent(raw.get("maxSurge"), d.max_surge),
+        _int_or_percent(raw.get("maxUnavailable"), d.max_unavailable),
+    )
+
+
+def _budget(raw: dict[str, Any] | None) -> DisruptionBudget:
+    raw, d = raw or {}, DisruptionBudget()
+    return DisruptionBudget(
+        bool(raw.get("enabled", d.enabled)), _int_or_percent(raw.get("maxUnavailable"), d.max_unavailable)
+    )
+
+
+def _autoscaling(raw: dict[str, Any] | None) -> Autoscaling | None:
+    if not raw:
+        return None
+    t = raw.get("targets") or {}
+
+    def num(key: str) -> float | None:
+        return float(t[key]) if t.get(key) is not None else None
+
+    low = int(raw.get("minReplicas", 1))
+    return Autoscaling(
+        min_replicas=low,
+        max_replicas=int(raw.get("maxReplicas", low)),
+        targets=Targets(num("waitingRequests"), num("kvCacheUsage"), num("ttftSeconds"), num("itlSeconds")),
+    )
 
 
 def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
@@ -129,6 +244,12 @@ def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
         node_selector=dict(raw.get("nodeSelector") or {}),
         tolerations=list(raw.get("tolerations") or []),
         affinity=dict(raw.get("affinity") or {}),
+        autoscaling=_autoscaling(raw.get("autoscaling")),
+        drain=_drain(raw.get("drain")),
+        rolling_update=_rolling(raw.get("rollingUpdate")),
+        disruption_budget=_budget(raw.get("disruptionBudget")),
+        startup_s=int(raw.get("startupSeconds", d.startup_s)),
+        pod_template=dict(raw.get("podTemplate") or {}),
     )
 
 
@@ -176,7 +297,14 @@ def parse(raw: dict[str, Any]) -> Spec:
             replicas=int(router.get("replicas", dt.replicas)),
             service_type=str(router.get("serviceType", dt.service_type)),
             port=int(router.get("port", dt.port)),
+            drain=_drain(router.get("drain")),
+            rolling_update=_rolling(router.get("rollingUpdate")),
+            disruption_budget=_budget(router.get("disruptionBudget")),
+            pod_template=dict(router.get("podTemplate") or {}),
         ),
         auth=_auth(raw.get("auth")),
         network_policy=_network_policy(raw.get("networkPolicy")),
+        rollout=Rollout(
+            int((raw.get("rollout") or {}).get("progressDeadlineSeconds", Rollout.progress_deadline_s))
+        ),
     )

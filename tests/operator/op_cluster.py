@@ -38,6 +38,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
+    "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
+    "autoscaling/v2/horizontalpodautoscalers": {"kind": "HorizontalPodAutoscaler", "namespaced": True},
     "pagoda.dev/v1alpha1/modeldeployments": {
         "kind": "ModelDeployment",
         "singular": "modeldeployment",
@@ -214,3 +216,5 @@ SECRET_PATH = "/api/v1/namespaces/{ns}/secrets"
 NETPOL_PATH = "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
 POD_PATH = "/api/v1/namespaces/{ns}/pods"
 EVENT_PATH = "/api/v1/namespaces/{ns}/events"
+PDB_PATH = "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets"
+HPA_PATH = "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers"

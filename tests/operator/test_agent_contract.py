@@ -24,11 +24,17 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     args = children.agent_args(s, role, "m", "ns")
     ns = build_parser().parse_args(args)
     assert ns.cmd == "serve" and ns.role == role
-    assert ns.integrity == s.integrity.mode
-    assert (ns.decode_weights, ns.decode_kv) == (s.decode.weight_format, s.decode.kv_cache_format)
-    assert (ns.prefill_weights, ns.prefill_kv) == (s.prefill.weight_format, s.prefill.kv_cache_format)
     assert ns.no_prefix_caching == (not s.routing.prefix_caching)
     assert ns.trust_tenant_header == (role == "router" and s.routing.trust_tenant_header)
     assert ns.kv_port == (children.KV_PORT if role == "decode" else None)
+    assert ns.drain_timeout == 30
     if role == "router":
-        assert ns.prefill_endpoints.startswith("http://") and ns.decode_endpoints.startswith("http://")
+        # Each pod of a pool through its headless Service; no formats (the router reads none).
+        assert ns.prefill_dns == "m-prefill-pods.ns.svc.cluster.local:8000"
+        assert ns.decode_dns == "m-decode-pods.ns.svc.cluster.local:8000"
+        assert ns.no_session_affinity == (not s.routing.session_affinity)
+        assert "--decode-weights" not in args and not ns.prefill_endpoints and not ns.decode_endpoints
+    else:
+        assert ns.integrity == s.integrity.mode
+        assert (ns.decode_weights, ns.decode_kv) == (s.decode.weight_format, s.decode.kv_cache_format)
+        assert (ns.prefill_weights, ns.prefill_kv) == (s.prefill.weight_format, s.prefill.kv_cache_format)

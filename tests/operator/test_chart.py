@@ -58,7 +58,8 @@ NON_DEFAULT = {
         "podAnnotations": {"example.com/owner": "ml"},
     },
     "agent": {"reportIntervalSeconds": 30},
-    "fp8": {"nodeLabel": "example.com/gpu", "gpuProducts": ["H100", "H200"]},
+    "fp8": {"placement": "label", "nodeLabel": "example.com/fp8"},
+    "autoscaling": {"provider": "keda", "prometheusAddress": "http://prom.obs.svc:9090"},
     "metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
     "dashboard": {"enabled": True},
 }
@@ -87,7 +88,7 @@ def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
     assert container["image"] == "registry.example/pagoda-operator:1.2.3"
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["PAGODA_WATCH_NAMESPACES"] == "team-a,team-b"
-    assert env["PAGODA_FP8_GPU_PRODUCTS"] == "H100,H200" and env["PAGODA_REPORT_INTERVAL_S"] == "30"
+    assert env["PAGODA_FP8_PLACEMENT"] == "label" and env["PAGODA_REPORT_INTERVAL_S"] == "30"
     assert by_kind["ServiceMonitor"]["metadata"]["labels"]["release"] == "prom"
     dashboard = json.loads(by_kind["ConfigMap"]["data"]["pagoda.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
@@ -104,7 +105,9 @@ def test_operator_config_from_chart_env_is_read_by_the_operator(chart: helm_pyth
     dep = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "Deployment")
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     cfg = Config.from_env(env)
-    assert cfg.namespaces == ("team-a", "team-b") and cfg.fp8_node_label == "example.com/gpu"
+    assert cfg.namespaces == ("team-a", "team-b") and cfg.fp8_node_label == "example.com/fp8"
+    assert cfg.fp8_placement == "label" and cfg.autoscaler == "keda" and cfg.install_crd is True
+    assert cfg.prometheus_address == "http://prom.obs.svc:9090" and cfg.status_max_agents == 16
     assert cfg.resync_s == 5 and cfg.report_interval_s == 30 and cfg.stale_after_s == 60
 
 
@@ -119,8 +122,12 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         (g, r): set(rule["verbs"]) for rule in operator for g in rule["apiGroups"] for r in rule["resources"]
     }
     assert all("*" not in v for v in verbs.values())
-    # delete only for the network policies (turned off in the spec); the rest goes by ownerReferences
-    assert [key for key, v in verbs.items() if "delete" in v] == [("networking.k8s.io", "networkpolicies")]
+    # delete only for what a spec can turn off; the rest goes by ownerReferences
+    assert sorted(key for key, v in verbs.items() if "delete" in v) == [
+        ("autoscaling", "horizontalpodautoscalers"),
+        ("networking.k8s.io", "networkpolicies"),
+        ("policy", "poddisruptionbudgets"),
+    ]
     assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
     assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none
@@ -141,7 +148,8 @@ def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
         {"operator": {"image": {"repository": ""}}},
         {"operator": {"watchNamespaces": ["Not_A_Namespace"]}},
         {"agent": {"reportIntervalSeconds": 0}},
-        {"fp8": {"gpuProducts": []}},
+        {"fp8": {"placement": "gpuProducts"}},
+        {"autoscaling": {"provider": "custom"}},
         {"metrics": {"serviceMonitor": {"interval": "soon"}}},
         {"unknownKey": True},
     ],

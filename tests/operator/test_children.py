@@ -18,7 +18,7 @@ from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
 
 META = {"name": "m", "namespace": "ns", "uid": "u-1"}
-CFG = Config(fp8_node_label="example.com/gpu", fp8_products=("H100", "H200"))
+CFG = Config(fp8_placement="label", fp8_node_label="example.com/gpu")
 
 
 def build(**spec: object) -> dict:
@@ -71,6 +71,7 @@ def test_every_child_validates_against_its_kubernetes_schema(spec: dict) -> None
         "NetworkPolicy",
         "Deployment",
         "Service",
+        "PodDisruptionBudget",
     }
     for obj in [*objs.values(), credentials.internal_secret(META)]:
         kubernetes_validate.validate(obj, "1.33", strict=True)
@@ -87,10 +88,34 @@ def test_gpu_pools_request_gpus_and_fp8_pools_get_node_affinity() -> None:
     term = decode["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
-    assert term == [
-        {"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["H100", "H200"]}]}
-    ]
+    assert term == [{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["true"]}]}]
     assert "affinity" not in prefill  # bf16/bf16 runs on any GPU
+
+
+def test_fp8_placement_by_compute_capability_needs_8_9_or_later() -> None:
+    """The default placement reads GPU feature discovery's compute capability labels: no product list."""
+    stored = admit(example("m", decode={"affinity": {}}))
+    objs = children.build(META, parse(stored["spec"]), Config())
+    terms = objs["Deployment/m-decode"]["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+
+    def schedulable(major: int, minor: int) -> bool:
+        node = {"nvidia.com/gpu.compute.major": str(major), "nvidia.com/gpu.compute.minor": str(minor)}
+
+        def ok(e: dict) -> bool:
+            value = node.get(e["key"])
+            if e["operator"] == "Gt":
+                return value is not None and int(value) > int(e["values"][0])
+            return value in e["values"]
+
+        return any(all(ok(e) for e in t["matchExpressions"]) for t in terms)
+
+    assert [schedulable(*cc) for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (7, 5))] == [
+        False, False, True, True, True, False
+    ]  # fmt: skip
+    none = children.build(META, parse(stored["spec"]), Config(fp8_placement="none"))
+    assert "affinity" not in none["Deployment/m-decode"]["spec"]["template"]["spec"]
 
 
 def test_fp8_affinity_is_anded_into_each_user_term() -> None:
@@ -170,9 +195,10 @@ def test_agent_args_follow_the_contract() -> None:
         "1",
         "--tenant-header",
         "X-Pagoda-Tenant",
-        "--no-session-affinity",
         "--kv-port",
         "9000",
+        "--drain-timeout",
+        "30",
     ]
 
 
@@ -180,26 +206,53 @@ def template(objs: dict, role: str) -> dict:
     return objs[f"Deployment/m-{role}"]["spec"]["template"]
 
 
-def test_a_change_the_agents_see_changes_every_pod_template() -> None:
-    before = build()
-    after = build(integrity={"mode": "audit"})
-    for role in ("prefill", "decode", "router"):
-        assert template(before, role) != template(after, role), role
-        args = template(after, role)["spec"]["containers"][0]["args"]
-        assert args[args.index("--integrity") + 1] == "audit"
-    assert template(before, "decode")["metadata"]["annotations"] == {
-        children.HANDOFF_ANNOTATION: "bf16->fp8_e4m3"
+# Spec change -> the pod templates it changes. Everything else (replicas, autoscaling, budgets,
+# the operator's integrity window, Services) rolls no pod.
+ROLLS: list[tuple[dict, set[str]]] = [
+    ({"decode": {"replicas": 3}}, set()),
+    ({"prefill": {"replicas": 2}, "decode": {"replicas": 2}}, set()),
+    ({"router": {"replicas": 3}}, set()),
+    ({"integrity": {"windowSeconds": 60, "mismatchRateThreshold": 0.01}}, set()),
+    ({"decode": {"autoscaling": {"maxReplicas": 8, "targets": {"kvCacheUsage": 0.8}}}}, set()),
+    ({"decode": {"disruptionBudget": {"maxUnavailable": 2}}}, set()),
+    ({"router": {"serviceType": "LoadBalancer", "port": 80}}, set()),
+    ({"networkPolicy": {"enabled": False}}, set()),
+    ({"rollout": {"progressDeadlineSeconds": 600}}, set()),
+    ({"decode": {"rollingUpdate": {"maxSurge": 2}}}, set()),
+    ({"decode": {"maxConcurrency": 128}}, {"decode"}),
+    ({"prefill": {"kvMemoryFraction": 0.5}}, {"prefill"}),
+    ({"decode": {"drain": {"timeoutSeconds": 120}}}, {"decode"}),
+    ({"prefill": {"startupSeconds": 1800}}, {"prefill"}),
+    ({"decode": {"podTemplate": {"spec": {"priorityClassName": "llm"}}}}, {"decode"}),
+    ({"router": {"drain": {"preStopSeconds": 10}}}, {"router"}),
+    ({"routing": {"trustTenantHeader": True}}, {"router"}),
+    ({"routing": {"sessionAffinity": False}}, {"router"}),
+    ({"auth": {"apiKeysSecret": {"name": "keys"}}}, {"router"}),
+    ({"decode": {"weightFormat": "bf16"}}, {"prefill", "decode"}),  # engines report all formats
+    ({"integrity": {"mode": "audit"}}, {"prefill", "decode"}),
+    ({"routing": {"prefixCaching": False}}, {"prefill", "decode", "router"}),
+    ({"image": "pagoda/node-agent:0.2.0"}, {"prefill", "decode", "router"}),
+    ({"model": {"source": "builtin://other"}}, {"prefill", "decode", "router"}),
+]
+
+
+@pytest.mark.parametrize(("change", "rolled"), ROLLS, ids=[str(c) for c, _ in ROLLS])
+def test_which_spec_changes_roll_which_pools(change: dict, rolled: set[str]) -> None:
+    """Only what a pod reads is in its template: a change rolls exactly the pools that read it."""
+    before, after = build(), build(**change)
+    changed = {
+        role for role in ("prefill", "decode", "router") if template(before, role) != template(after, role)
     }
+    assert changed == rolled
 
 
-def test_operator_only_settings_and_scaling_leave_the_pod_templates_alone() -> None:
-    """The integrity window and threshold only feed the operator's status; replicas only the
-    Deployment's scale. Neither may roll the pods."""
-    before = build()
-    after = build(integrity={"windowSeconds": 60, "mismatchRateThreshold": 0.01}, decode={"replicas": 3})
-    for role in ("prefill", "decode", "router"):
-        assert template(before, role) == template(after, role), role
-    assert after["Deployment/m-decode"]["spec"]["replicas"] == 3
+def test_an_autoscaled_pool_leaves_its_replicas_to_the_autoscaler() -> None:
+    objs = build(
+        decode={"autoscaling": {"minReplicas": 2, "maxReplicas": 8, "targets": {"kvCacheUsage": 0.8}}}
+    )
+    assert "replicas" not in objs["Deployment/m-decode"]["spec"]
+    assert objs["Deployment/m-prefill"]["spec"]["replicas"] == 1
+    assert "HorizontalPodAutoscaler/m-prefill" not in objs
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -268,7 +321,7 @@ def test_api_keys_are_mounted_into_the_router_only() -> None:
             "secret": {
                 "secretName": "team-keys",
                 "items": [{"key": "api-keys", "path": "keys"}],  # the CRD's default key
-                "defaultMode": 0o440,
+                "defaultMode": 0o444,
             },
         }
     ]
@@ -277,7 +330,7 @@ def test_api_keys_are_mounted_into_the_router_only() -> None:
         {"name": "api-keys", "mountPath": "/etc/pagoda/api-keys", "readOnly": True}
     ]
     assert env_of(objs, "router")["PAGODA_API_KEYS_FILE"]["value"] == "/etc/pagoda/api-keys/keys"
-    assert router["securityContext"]["fsGroup"] == 1000  # group-readable file for uid 1000
+    assert "fsGroup" not in router["securityContext"]  # no fixed ids: readable by whatever uid runs
     for role in ("prefill", "decode"):
         assert "PAGODA_API_KEYS_FILE" not in env_of(objs, role)
         assert "team-keys" not in str(template(objs, role)), role

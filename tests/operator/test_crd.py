@@ -94,6 +94,17 @@ def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
         ({"prefill": {"tensorParallel": 2, "gpus": 1}}, "tensorParallel must not exceed gpus"),
         ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
         ({"prefill": {"replicas": 0}}, "needs both pools"),
+        (
+            {
+                "prefill": {"replicas": 0},
+                "decode": {"autoscaling": {"maxReplicas": 3, "targets": {"itlSeconds": 1}}},
+            },
+            "needs both pools",
+        ),
+        (
+            {"decode": {"autoscaling": {"minReplicas": 4, "maxReplicas": 3, "targets": {"itlSeconds": 1}}}},
+            "must not exceed maxReplicas",
+        ),
         ({"networkPolicy": {"metricsFrom": [{}]}}, "either ipBlock alone"),
         (
             {"networkPolicy": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
@@ -115,6 +126,10 @@ def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
         {"decode": {"tensorParallel": 2, "gpus": 0}},  # CPU trials ignore the GPU count
         {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "fp8_e4m3"}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},  # paused
+        {  # an autoscaled pool's replicas field is not what counts
+            "prefill": {"replicas": 0, "autoscaling": {"maxReplicas": 2, "targets": {"waitingRequests": 4}}},
+            "decode": {"autoscaling": {"maxReplicas": 8, "targets": {"kvCacheUsage": 0.8}}},
+        },
         {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {}}]}},  # every pod of every namespace
         {
             "networkPolicy": {
@@ -138,8 +153,10 @@ def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
 
     schema = md_schema(crd)
     rules = str(schema).count("'rule':")
-    assert rules == 5
+    assert rules == 7
     assert cel_errors(schema, admit(example())) == []
+    auto = {"autoscaling": {"maxReplicas": 2, "targets": {"ttftSeconds": 2}}}
+    assert cel_errors(schema, admit(example(decode=auto, prefill=auto))) == []  # autoscaling rules ran
     peers = {"networkPolicy": {"metricsFrom": [{"podSelector": {}}]}}
     assert cel_errors(schema, admit(example(**peers))) == []  # the peer rule ran and passed
 

@@ -16,8 +16,10 @@ from op_cluster import (
     CM_PATH,
     DEP_PATH,
     EVENT_PATH,
+    HPA_PATH,
     MD_PATH,
     NETPOL_PATH,
+    PDB_PATH,
     POD_PATH,
     SECRET_PATH,
     SVC_PATH,
@@ -40,10 +42,23 @@ def create_md(cluster: Cluster, body: dict) -> dict:
     return cluster.create(MD_PATH.format(ns=NS), stored)
 
 
+def merged(target: object, patch: object) -> object:
+    """RFC 7386 merge patch, as the API server applies one (None deletes)."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merged(out.get(key), value)
+    return out
+
+
 def update_spec(cluster: Cluster, spec_patch: dict) -> None:
     current = cluster.get(MD)
     assert current is not None
-    admit({**current, "spec": {**current["spec"], **spec_patch}})  # would the API server accept it?
+    admit({**current, "spec": merged(current["spec"], spec_patch)})  # would the API server accept it?
     cluster.patch(MD, {"spec": spec_patch, "metadata": {"generation": current["metadata"]["generation"] + 1}})
 
 
@@ -143,9 +158,10 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         }
         assert flag(dep, "--role") == role
         assert flag(dep, "--model") == "builtin://smollm2-135m"
-        assert (flag(dep, "--prefill-weights"), flag(dep, "--prefill-kv")) == ("fp8", "bf16")
-        assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("int4", "fp8_e4m3")
-        assert flag(dep, "--integrity") == "enforce"
+        if role != "router":  # the router reads no formats
+            assert (flag(dep, "--prefill-weights"), flag(dep, "--prefill-kv")) == ("fp8", "bf16")
+            assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("int4", "fp8_e4m3")
+            assert flag(dep, "--integrity") == "enforce"
         assert "--no-prefix-caching" in args_of(dep) and "--no-session-affinity" not in args_of(dep)
         env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env["PAGODA_MD_NAME"]["value"] == "smollm" and env["PAGODA_POOL"]["value"] == role
@@ -153,15 +169,35 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         assert env["PAGODA_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
         assert env["PAGODA_REPORT_INTERVAL_S"]["value"] == "5"
         assert "nvidia.com/gpu" not in str(dep["spec"]["template"]["spec"]["containers"][0]["resources"])
-    assert flag(router, "--prefill-endpoints") == "http://smollm-prefill.default.svc:8000"
-    assert flag(router, "--decode-endpoints") == "http://smollm-decode.default.svc:8000"
-    assert "--prefill-endpoints" not in args_of(decode)
+    # The router finds each pod of a pool through the pool's headless Service.
+    assert flag(router, "--prefill-dns") == "smollm-prefill-pods.default.svc.cluster.local:8000"
+    assert flag(router, "--decode-dns") == "smollm-decode-pods.default.svc.cluster.local:8000"
+    assert "--prefill-dns" not in args_of(decode)
+    for role in ("prefill", "decode"):
+        headless = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{role}-pods")
+        assert (
+            headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is False
+        )
+        assert headless["spec"]["selector"] == {
+            "pagoda.dev/model-deployment": "smollm",
+            "pagoda.dev/pool": role,
+        }
+    for role, dep in (("prefill", prefill), ("decode", decode), ("router", router)):
+        pdb = cluster.get(f"{PDB_PATH.format(ns=NS)}/smollm-{role}")
+        assert pdb["spec"]["maxUnavailable"] == 1
+        assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+        # Graceful drain: preStop sleep, --drain-timeout, and a grace period covering both.
+        pod = dep["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+        assert flag(dep, "--drain-timeout") == "30" and pod["terminationGracePeriodSeconds"] == 45
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
     for role in ("prefill", "decode", "router"):
         svc = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{role}")
         assert svc["spec"]["selector"] == {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": role}
         assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    for dep in (prefill, decode, router):
+    for dep in (prefill, decode):
         assert dep["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "bf16->fp8_e4m3"
     # The agents take everything from args and env: no ConfigMap, so none that nobody reads.
     assert cluster.get(CM_PATH.format(ns=NS))["items"] == []
@@ -221,6 +257,66 @@ def test_update_rolls_out_and_rerun_changes_nothing(cluster: Cluster) -> None:
         for role in ("prefill", "decode", "router")
     }
     assert after == versions
+
+
+def templates(cluster: Cluster) -> dict[str, str]:
+    """Each Deployment's pod template, serialized (what the Deployment controller hashes)."""
+    return {
+        role: json.dumps(deployment(cluster, role)["spec"]["template"], sort_keys=True)
+        for role in ("prefill", "decode", "router")
+    }
+
+
+def test_a_decode_scale_restarts_no_pod(cluster: Cluster) -> None:
+    """Replicas live outside the pod templates: scaling decode leaves all three templates as they were."""
+    create_md(cluster, example(**CPU))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    settled(cluster)
+    before = templates(cluster)
+    update_spec(cluster, {"decode": {"gpus": 0, "replicas": 4}, "integrity": {"windowSeconds": 60}})
+    cluster.wait_for(lambda: deployment(cluster, "decode")["spec"]["replicas"] == 4, what="decode scaled")
+    cluster.wait_for(lambda: cluster.get(MD)["status"].get("observedGeneration") == 2, what="pass on gen 2")
+    assert templates(cluster) == before  # byte-identical: no rollout of any pool
+
+
+AUTO = {"minReplicas": 2, "maxReplicas": 6, "targets": {"waitingRequests": 4, "kvCacheUsage": 0.8}}
+
+
+def test_an_autoscaled_pool_gets_an_hpa_and_its_scale_is_kept(cluster: Cluster) -> None:
+    create_md(cluster, example(prefill={"gpus": 0}, decode={"gpus": 0, "autoscaling": AUTO}))
+    hpa_path = f"{HPA_PATH.format(ns=NS)}/smollm-decode"
+    hpa = cluster.wait_for(lambda: cluster.get(hpa_path), what="HPA")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "smollm-decode",
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [
+        "pagoda_waiting_sequences",
+        "pagoda_kv_cache_usage_ratio",
+    ]
+    assert cluster.get(f"{HPA_PATH.format(ns=NS)}/smollm-prefill") is None
+    assert cluster.wait_for(lambda: deployment(cluster, "decode"))["spec"]["replicas"] == 2  # created at min
+    settled(cluster)
+    before = templates(cluster)
+
+    cluster.patch(f"{DEPS}/smollm-decode", {"spec": {"replicas": 5}})  # the HPA scales up
+    set_ready(cluster, "decode", 5)
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and m["status"]["decode"].get("desiredReplicas") == 5 and m,
+        what="status follows the autoscaler",
+    )
+    assert md["status"]["decode"]["autoscaling"] == {"minReplicas": 2, "maxReplicas": 6}
+    assert md["status"]["decode"]["ready"] == "5/5" and md["status"]["decode"]["currentReplicas"] == 5
+    time.sleep(2)  # several timer passes: none reverts the scale
+    assert deployment(cluster, "decode")["spec"]["replicas"] == 5
+    assert templates(cluster) == before
+
+    # Autoscaling off: the HPA goes, the spec's replicas are enforced again.
+    update_spec(cluster, {"decode": {"gpus": 0, "replicas": 3, "autoscaling": None}})
+    cluster.wait_for(lambda: cluster.get(hpa_path) is None, what="HPA deleted")
+    cluster.wait_for(lambda: deployment(cluster, "decode")["spec"]["replicas"] == 3, what="replicas enforced")
 
 
 def test_deleted_or_edited_child_is_repaired(cluster: Cluster) -> None:
@@ -586,7 +682,14 @@ def chart_rules() -> set[tuple[str, str, str]]:
 def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> None:
     """Every path of the operator runs against kmock; each request it made must be allowed by the
     chart's ClusterRole, and each verb the ClusterRole grants must have been used (or be listed)."""
-    create_md(cluster, example(**CPU, auth={"apiKeysSecret": {"name": "team-keys"}}))
+    create_md(
+        cluster,
+        example(
+            prefill={"gpus": 0},
+            decode={"gpus": 0, "autoscaling": AUTO},
+            auth={"apiKeysSecret": {"name": "team-keys"}},
+        ),
+    )
     cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
     add_pod(cluster, "d-0", "decode")
     rbac = "/apis/rbac.authorization.k8s.io/v1/namespaces/default"
@@ -596,6 +699,8 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
         f"{rbac}/rolebindings/smollm-agent",
         f"{SVC_PATH.format(ns=NS)}/smollm-router",
         f"{NETPOLS}/smollm-prefill",
+        f"{PDB_PATH.format(ns=NS)}/smollm-router",
+        f"{HPA_PATH.format(ns=NS)}/smollm-decode",
     ]
     for path in edited:  # hand edits the operator repairs with a patch
         cluster.patch(path, {"metadata": {"labels": {"app.kubernetes.io/managed-by": "someone"}}})
@@ -608,8 +713,21 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
         )
     cluster.delete(INTERNAL)
     cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret recreated")
-    update_spec(cluster, {"networkPolicy": {"enabled": False}})
+    update_spec(
+        cluster,
+        {
+            "networkPolicy": {"enabled": False},
+            "router": {"disruptionBudget": {"enabled": False}},
+            "decode": {"autoscaling": None},
+        },
+    )
     cluster.wait_for(lambda: cluster.get(f"{NETPOLS}/smollm-decode") is None, what="policies deleted")
+    cluster.wait_for(
+        lambda: cluster.get(f"{PDB_PATH.format(ns=NS)}/smollm-router") is None, what="PDB deleted"
+    )
+    cluster.wait_for(
+        lambda: cluster.get(f"{HPA_PATH.format(ns=NS)}/smollm-decode") is None, what="HPA deleted"
+    )
     cluster.delete(MD)
     cluster.wait_for(lambda: cluster.get(MD) is None, what="finalizer released")
 
