@@ -454,7 +454,7 @@ class Router:
             except _Skip as skip:
                 await _undo(dec, stream)
                 dec.mark_down(skip.why)
-                if len(tried) >= ATTEMPTS:
+                if len(tried) >= ATTEMPTS or not _others_ready(self.decode, tried):
                     raise retry_later(
                         503, f"decode worker {dec.url} failed: {skip.why}", "worker_failed"
                     ) from skip
@@ -501,7 +501,7 @@ class Router:
                     raise _Skip("it is draining (shutting down)")
             except _Skip as skip:
                 pre.mark_down(skip.why)
-                if len(tried) >= ATTEMPTS:
+                if len(tried) >= ATTEMPTS or not _others_ready(self.prefill, tried):
                     raise retry_later(
                         503, f"prefill worker {pre.url} failed: {skip.why}", "worker_failed"
                     ) from skip
@@ -518,6 +518,11 @@ class _Skip(Exception):
     def __init__(self, why: str) -> None:
         super().__init__(why)
         self.why = why
+
+
+def _others_ready(workers: list[Worker], tried: set[str]) -> bool:
+    """Whether a ready worker not yet tried for this request is left (else: the last worker's error)."""
+    return any(w.ready and w.url not in tried for w in workers)
 
 
 async def _undo(w: Worker, stream: httpx.Response | None) -> None:

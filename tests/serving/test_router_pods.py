@@ -16,6 +16,7 @@ from pagoda.node_agent.serving.backend import GenRequest
 from pagoda.node_agent.serving.discovery import DnsTarget, DnsWatch, parse_dns_targets, resolve
 from pagoda.node_agent.serving.internal_auth import InternalAuth
 from pagoda.node_agent.serving.metrics import ServeMetrics, metric_sum, parse_metrics
+from pagoda.node_agent.serving.protocol import ApiError
 from pagoda.node_agent.serving.router import Router, RouterSettings
 
 from .live import LiveServer
@@ -275,8 +276,16 @@ def test_pods_leave_mid_stream_come_back_fresh_and_a_draining_one_is_skipped(pod
             assert {w.url: w.ready for w in router.decode} == {d1: False, d2: True}
             await router.poll()  # its /internal/state says draining too
             assert {w.url: w.ready for w in router.decode} == {d1: False, d2: True}
+            # both draining: the last refusal is the client's answer, to retry elsewhere
+            pods["decode-2"].server.config.app.state.drain.begin()
+            with pytest.raises(ApiError) as err:
+                await router.open_all([req])
+            assert err.value.status == 503 and err.value.headers["Retry-After"] == "1"
+            assert "draining" in err.value.message and d2 in err.value.message
+            assert router.inflight == 0 and all(w.inflight == 0 for w in router.decode)
         finally:
-            pods["decode-1"].server.config.app.state.drain.draining = False
+            for name in ("decode-1", "decode-2"):
+                pods[name].server.config.app.state.drain.draining = False
             await router.stop()
 
     asyncio.run(main())
