@@ -349,6 +349,11 @@ async def complete(
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # e.g. ended at the drain deadline: stop its work too
+        work.cancel()
+        for h in handles:
+            h.abort()
+        raise
     finally:
         gone.cancel()
     if not work.done():
