@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pagoda.kernels.fp8 import Fp8Weight
-from pagoda.kernels.int4 import Int4Weight, pick_group_size, quantize_int4
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.config import LINEAR_NAMES, ModelConfig, config_from_hf
+from pagoda.node_agent.models.int4_quant import clip_search, layer_group_size, quantize_rtn
 from pagoda.node_agent.models.loader import LoadedModel, load_model, resolve_source
 from pagoda.node_agent.models.quant_format import MANIFEST, meta_of, state_of
 from pagoda.node_agent.models.tokenizer import Tokenizer
@@ -43,17 +44,24 @@ BF16_BYTES = 2  # a dense checkpoint's usual element size, the "before" of the s
 
 @dataclass
 class QuantizeReport:
-    """Sizes of a quantization run (bytes)."""
+    """Sizes of a quantization run (bytes) and how each weight was made."""
 
     out_dir: str
     weights: str
-    group_size: int | None
+    group_size: int | str | None  # the forced INT4 group, "auto" (per layer) or None (fp8)
     num_tensors: int
     linear_params: int
     linear_bytes_bf16: int  # the blocks' linear weights as a dense 2-byte checkpoint
     linear_bytes_fp32: int
     linear_bytes_quant: int  # packed weights plus scales (and zero points)
     checkpoint_bytes: int  # every file written
+    zero: str = "int"  # INT4 zero points: "int" or "float"
+    group_sizes: dict[int, int] = field(default_factory=dict)  # INT4 group -> number of weights
+    passthrough: int = 0  # weights already in the target format in the source: written unchanged
+    calibrated: bool = False
+    calibration_tokens: int = 0
+    calibration_error_rtn: float = 0.0  # summed output error on the calibration text, plain RTN
+    calibration_error: float = 0.0  # ... with the searched clip ratios
 
     @property
     def linear_ratio_bf16(self) -> float:
@@ -61,6 +69,7 @@ class QuantizeReport:
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
+        d["group_sizes"] = {str(g): c for g, c in self.group_sizes.items()}
         d["linear_ratio_vs_bf16"] = self.linear_ratio_bf16
         d["linear_ratio_vs_fp32"] = self.linear_bytes_quant / self.linear_bytes_fp32
         return d
@@ -71,34 +80,58 @@ def linear_weight_names(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.{n}.weight" for i in range(num_layers) for n in LINEAR_NAMES]
 
 
-def quantize_tensor(w: torch.Tensor, fmt: str, group_size: int) -> Int4Weight | Fp8Weight:
-    """One weight [N, K] -> its packed form (int4 group size as the engine picks it for K)."""
+def quantize_tensor(
+    w: torch.Tensor, fmt: str, group_size: int | None = None, float_zero: bool = False, name: str = "weight"
+) -> Int4Weight | Fp8Weight:
+    """One dense weight [N, K] -> its packed form; INT4 ``group_size`` None picks per layer."""
     if fmt == "int4":
-        return quantize_int4(w, pick_group_size(w.shape[1], group_size))
+        return quantize_rtn(w, layer_group_size(w.shape[1], group_size, name), float_zero)
     if fmt == "fp8":
         return Fp8Weight.quantize(w)
     raise ValueError(f"quantize supports {', '.join(QUANT_FORMATS)}, got {fmt!r}")
+
+
+def _in_features(w: object) -> int:
+    return w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
+
+
+def _already(w: object, fmt: str) -> bool:
+    """Whether a source weight is already in ``fmt`` (written through without requantization)."""
+    return isinstance(w, Int4Weight) if fmt == "int4" else isinstance(w, Fp8Weight)
+
+
+def _dense(w: object) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 def quantize_checkpoint(
     source: str,
     weights: str,
     out_dir: str | Path,
-    group_size: int = 128,
+    group_size: int | None = None,
     progress: bool = True,
     loaded: LoadedModel | None = None,
     tokenizer: Tokenizer | None = None,
+    float_zero: bool = False,
+    calibration: dict[str, torch.Tensor] | None = None,
+    calibration_tokens: int = 0,
+    requantize: bool = False,
 ) -> QuantizeReport:
     """Quantize ``source``'s block linear weights to ``weights`` and write a loadable checkpoint.
 
+    INT4: ``group_size`` None picks each layer's group from its K (``int4_quant.layer_group_size``),
+    a number forces it on every layer; ``float_zero`` stores float offsets instead of integer zero
+    points; ``calibration`` (weight name -> Gram matrix of its inputs) turns on the clip search.
+    Weights the source already holds in the target format are written through unchanged, unless
+    ``requantize`` (then they are quantized again from their dequantized values, like dense ones).
     ``loaded`` / ``tokenizer`` reuse an already loaded source (its weights are only read)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     if weights not in QUANT_FORMATS:
         raise ValueError(f"--weights must be one of {', '.join(QUANT_FORMATS)}, got {weights!r}")
-    if weights == "int4":
-        pick_group_size(128, group_size)  # validates the value before any work
+    if weights == "int4" and group_size is not None:
+        layer_group_size(group_size * 2, group_size)  # validates the value before any work
     out = Path(out_dir)
     if loaded is None:
         _refuse_moe(source, _source_config(source))  # before reading any weights
@@ -108,23 +141,55 @@ def quantize_checkpoint(
         raise ValueError(f"{source} is already a quantized checkpoint; quantize the original weights")
     cfg = loaded.config
     names = linear_weight_names(cfg.num_layers)
+    missing = [n for n in names if n not in loaded.weights]
+    if missing:
+        raise ValueError(
+            f"{source}: pagoda quantize needs the dense decoder's linear weights; missing {missing[0]}"
+        )
+    todo = [n for n in names if requantize or not _already(loaded.weights[n], weights)]
+    if weights == "int4":  # a forced group that misses a layer's K fails before any work
+        for n in todo:
+            layer_group_size(_in_features(loaded.weights[n]), group_size, n)
+    if calibration is not None:
+        absent = [n for n in todo if n not in calibration]
+        if weights != "int4" or absent:
+            raise ValueError(
+                f"calibration covers INT4 only and every quantized weight (missing {absent[:1]})"
+            )
+    report = QuantizeReport(
+        str(out), weights, (group_size or "auto") if weights == "int4" else None, len(names), 0, 0, 0, 0, 0
+    )
+    report.zero = "float" if float_zero else "int"
+    report.calibrated, report.calibration_tokens = calibration is not None, calibration_tokens
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     stored: dict[str, str] = {}
-    n_params = quant_bytes = 0
-    for name in tqdm(names, desc=f"quantize {weights}", unit="tensor", disable=not progress):
-        w = loaded.weights[name]
-        q = quantize_tensor(w, weights, group_size)
-        n_params += w.numel()
+    desc = f"quantize {weights}" + (" (clip search)" if calibration is not None else "")
+    for name in tqdm(names, desc=desc, unit="tensor", disable=not progress):
+        src = loaded.weights[name]
+        if name not in todo:
+            q = src
+            report.passthrough += 1
+        elif calibration is not None:
+            w = _dense(src)
+            g = layer_group_size(w.shape[1], group_size, name)
+            q, stats = clip_search(w, calibration[name], g, float_zero)
+            report.calibration_error_rtn += stats["rtn_error"]
+            report.calibration_error += stats["error"]
+        else:
+            q = quantize_tensor(_dense(src), weights, group_size, float_zero, name)
+        if isinstance(q, Int4Weight):
+            report.group_sizes[q.group_size] = report.group_sizes.get(q.group_size, 0) + 1
+        report.linear_params += q.out_features * q.in_features
         for part, t in state_of(q).items():
             key = f"{name}.{part}"
             tensors[key] = t.contiguous()
             stored[key] = name
-            quant_bytes += t.nbytes
+            report.linear_bytes_quant += t.nbytes
         entries[name] = meta_of(q)
     for name, t in loaded.weights.items():
         if name not in entries:
-            tensors[name] = t.float().contiguous()
+            tensors[name] = _dense(t).float().contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     kind, path = resolve_source(source)
@@ -132,24 +197,19 @@ def quantize_checkpoint(
     manifest = {
         "version": 1,
         "weights": weights,
-        "group_size": group_size if weights == "int4" else None,
+        "group_size": report.group_size,
+        "zero": report.zero if weights == "int4" else None,
+        "calibrated": report.calibrated,
+        "passthrough": [n for n in names if n not in todo],
         "source": source,
         "quantized": entries,  # original weight name -> format metadata
         "tensors": stored,  # stored tensor name -> original weight name
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    total = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return QuantizeReport(
-        str(out),
-        weights,
-        manifest["group_size"],
-        len(names),
-        n_params,
-        n_params * BF16_BYTES,
-        n_params * 4,
-        quant_bytes,
-        total,
-    )
+    report.linear_bytes_bf16 = report.linear_params * BF16_BYTES
+    report.linear_bytes_fp32 = report.linear_params * 4
+    report.checkpoint_bytes = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return report
 
 
 def _source_config(source: str) -> ModelConfig | None:
@@ -187,19 +247,35 @@ def _write_config_and_tokenizer(kind: str, path: Path, out: Path, tokenizer: Tok
         else:
             tokenizer._tok.save_pretrained(str(out))  # the wrapped transformers tokenizer
         return
-    shutil.copyfile(path / "config.json", out / "config.json")
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("quantization_config", None)  # the source's (GPTQ/AWQ/...) layout no longer applies
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
     for name in TOKENIZER_FILES:
         if (path / name).exists():
             shutil.copyfile(path / name, out / name)
 
 
 def format_report(r: QuantizeReport) -> str:
-    """Human-readable shrink figures."""
+    """Human-readable shrink figures and how the weights were made."""
     mib = 2**20
-    return (
-        f"quantized {r.num_tensors} linear weights ({r.linear_params / 1e6:.1f}M params) to {r.weights}"
-        + (f" (group {r.group_size})" if r.group_size else "")
-        + f"\nlinear layers: {r.linear_bytes_bf16 / mib:.1f} MiB as bf16 ({r.linear_bytes_fp32 / mib:.1f} MiB"
+    lines = [f"quantized {r.num_tensors} linear weights ({r.linear_params / 1e6:.1f}M params) to {r.weights}"]
+    if r.weights == "int4":
+        groups = ", ".join(f"group {g}: {c}" for g, c in sorted(r.group_sizes.items()))
+        lines[0] += f" ({r.zero} zero points; {groups})"
+    if r.passthrough:
+        lines.append(
+            f"{r.passthrough} of them were already {r.weights} in the source: written through unchanged "
+            "(no requantization; group and zero options do not apply to them)"
+        )
+    if r.calibrated:
+        gain = r.calibration_error / r.calibration_error_rtn if r.calibration_error_rtn else 1.0
+        lines.append(
+            f"clip search on {r.calibration_tokens} calibration tokens: output error {gain:.3f}x of "
+            "round to nearest"
+        )
+    lines.append(
+        f"linear layers: {r.linear_bytes_bf16 / mib:.1f} MiB as bf16 ({r.linear_bytes_fp32 / mib:.1f} MiB"
         f" fp32) -> {r.linear_bytes_quant / mib:.1f} MiB ({r.linear_ratio_bf16:.3f}x of bf16)"
-        f"\ncheckpoint written: {r.checkpoint_bytes / mib:.1f} MiB in {r.out_dir}"
     )
+    lines.append(f"checkpoint written: {r.checkpoint_bytes / mib:.1f} MiB in {r.out_dir}")
+    return "\n".join(lines)
