@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from pagoda.node_agent.cli.quantize import group_size_arg
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseFormats
+from pagoda.node_agent.models.int4_quant import layer_group_size
 
 INT4_DECODE = PhaseFormats("bf16", "bf16", "int4", "bf16")
 
@@ -28,3 +32,22 @@ def test_default_and_explicit_group_sizes(make_engine):
 def test_unsupported_group_size_is_a_config_error():
     with pytest.raises(ConfigError, match="int4 group size must be"):
         EngineConfig(int4_group_size=48).validate()
+
+
+@pytest.mark.parametrize(
+    ("k", "forced", "want"), [(576, None, 64), (1536, None, 128), (96, None, 32), (576, 32, 32)]
+)
+def test_pagoda_quantize_picks_each_layers_group(k, forced, want):
+    assert layer_group_size(k, forced) == want
+
+
+def test_pagoda_quantize_group_errors():
+    with pytest.raises(ValueError, match="group size 128 does not divide K=576 of q_proj"):
+        layer_group_size(576, 128, "q_proj")
+    with pytest.raises(ValueError, match="group size must be one of 32, 64, 128, 256, got 48"):
+        layer_group_size(576, 48)
+    with pytest.raises(ValueError, match="no INT4 group size"):
+        layer_group_size(80)
+    assert group_size_arg("auto") is None and group_size_arg("64") == 64
+    with pytest.raises(argparse.ArgumentTypeError, match="must be auto or one of"):
+        group_size_arg("100")
