@@ -57,7 +57,7 @@ def run_pagoda_decode(engine, prompts: list, max_tokens: int) -> dict:
     lens = [len(engine.tokenize(p)) for p in prompts]
     hold = tokens_to_hold_batch(engine, max(lens), len(prompts), max_tokens)
     trace = run_steps(engine, prompts, hold)
-    return {**trace.decode_rate(batch=len(prompts)), "ttft_s": trace.median_ttft(), "total_s": trace.total_s}
+    return {**trace.full_batch_rate(len(prompts)), "ttft_s": trace.median_ttft(), "total_s": trace.total_s}
 
 
 def run_hf_decode(model, tok, prompts: list[str], max_tokens: int) -> dict:

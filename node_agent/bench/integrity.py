@@ -107,6 +107,7 @@ def run_once(engine, tracker, prompts: list[list[int]], max_tokens: int) -> dict
     engine.integrity = tracker
     with CheckTimer(tracker) as timer:
         trace = run_steps(engine, prompts, max_tokens, probe=timer.take)
+    trace.full_batch_rate(len(prompts))  # refuses a run that never held the whole batch
     window = trace.window(batch=len(prompts))
     n = len(window)
     secs = sum(s.seconds for s in window)

@@ -55,6 +55,17 @@ class Trace:
             "decode_step_s": secs / len(w) if w else 0.0,
         }
 
+    def full_batch_rate(self, batch: int) -> dict:
+        """``decode_rate(batch)``, refusing a run in which no decode step held all ``batch``
+        sequences (a figure of 0 would read as a measurement)."""
+        rate = self.decode_rate(batch)
+        if not rate["window_steps"]:
+            raise ValueError(
+                f"no decode step ran all {batch} sequences at once: the KV budget (--kv-memory) or "
+                f"--max-num-seqs is too small for concurrency {batch}"
+            )
+        return rate
+
     def median_ttft(self) -> float:
         t = sorted(self.ttft_s)
         return t[len(t) // 2] if t else 0.0
