@@ -21,7 +21,7 @@ from typing import Any
 
 from . import podspec, scaling
 from .config import Config
-from .spec import API_VERSION, GROUP, KIND, PLURAL, Drain, Pool, Spec
+from .spec import API_VERSION, KIND, Drain, Pool, Spec
 
 PORT = 8000
 KV_PORT = 9000  # decode pods receive KV pages from prefill pods here
@@ -269,7 +269,7 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str 
     volumes, mounts = _volumes(spec, role)
     drain = _drain_of(spec, role)
     pod_spec: Obj = {
-        "serviceAccountName": child_name(name, "agent"),
+        "serviceAccountName": child_name(name, AGENT),
         "securityContext": podspec.pod_security_context(),
         "terminationGracePeriodSeconds": drain.grace_s,
     }
@@ -391,23 +391,21 @@ def optional_children(meta: Obj, cfg: Config) -> list[tuple[str, str]]:
     return out
 
 
+AGENT = "pagoda-agent"  # the agents' ServiceAccount is <md>-pagoda-agent (the chart's admission policy keys on it)
+
+
 def agent_rbac(meta: Obj) -> list[Obj]:
-    """ServiceAccount, Role and RoleBinding letting the agents get and patch this object's status only."""
-    name = child_name(meta["name"], "agent")
+    """ServiceAccount, Role and RoleBinding letting the agents patch pods in this namespace: each
+    agent writes its report into its own Pod's annotation. RBAC cannot name a pod not created yet;
+    the chart's ValidatingAdmissionPolicy narrows it to the agent's own pod and that annotation."""
+    name = child_name(meta["name"], AGENT)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(meta, name, "agent")},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(meta, name, "agent"),
-            "rules": [
-                {
-                    "apiGroups": [GROUP],
-                    "resources": [f"{PLURAL}/status"],
-                    "resourceNames": [meta["name"]],
-                    "verbs": ["get", "patch"],
-                }
-            ],
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

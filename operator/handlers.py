@@ -9,7 +9,7 @@ from typing import Any
 
 import kopf
 
-from . import children
+from . import children, crd
 from .config import Config
 from .kube import Kube
 from .reconcile import reconcile
@@ -26,6 +26,8 @@ class Memo:
     cfg: Config
     kube: Kube | None = None
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # Mismatch-rate window snapshot (per-agent counter baselines) per ModelDeployment.
+    windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -48,7 +50,7 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
         fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
         if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
             return
-        await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger))
+        await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger), windows=memo.windows)
 
 
 def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegistry:
@@ -62,6 +64,24 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
         settings.persistence.finalizer = f"{GROUP}/operator"
         settings.watching.server_timeout = 300
         settings.posting.level = logging.INFO
+        settings.posting.loggers = False  # Events only for what reconcile() emits, never per log line
+
+    @kopf.on.startup(registry=registry)
+    async def install_crd(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
+        """Server-side apply the CRD (PAGODA_INSTALL_CRD, --no-install-crd); failures are logged."""
+        if not cfg.install_crd:
+            return
+        info = kopf.login_with_service_account(
+            settings=settings, logger=logger
+        ) or kopf.login_with_kubeconfig(settings=settings, logger=logger)
+        if info is None:
+            logger.warning("no credentials to install the CRD with")
+            return
+        kube = Kube(info)
+        try:
+            await crd.install(kube, crd_file=cfg.crd_file)
+        finally:
+            await kube.close()
 
     @kopf.on.login(registry=registry)
     def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -88,7 +108,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     @kopf.on.delete(*MD, registry=registry)
     def deleted(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
         """Children carry ownerReferences: the garbage collector removes them; only forget the lock."""
-        memo.locks.pop((body["metadata"]["namespace"], body["metadata"]["name"]), None)
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        memo.locks.pop(key, None)
+        memo.windows.pop(key, None)
         logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
 
     # Secrets are not watched: that would need list/watch on every Secret in the watched

@@ -119,6 +119,10 @@ class Kube:
         url = path(kind, namespace, name, subresource)
         return await self._call("PATCH", url, patch, "application/merge-patch+json") or {}
 
+    async def apply(self, url: str, obj: Obj) -> Obj:
+        """Server-side apply (``application/apply-patch+yaml``; JSON is YAML) at an absolute API path."""
+        return await self._call("PATCH", url, obj, "application/apply-patch+yaml") or {}
+
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         """Delete an object (only if its uid is still ``uid``, when given); False when it was gone."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}} if uid else None

@@ -18,14 +18,14 @@ from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Con
 from .config import Config
 from .kube import ApiError, Kube
 from .spec import POOLS, Spec, parse
-from .status import classify, pool_figures, window
+from .status import agent_entries, pool_figures, reports_of, split, window
 
 Obj = dict[str, Any]
 Emit = Callable[[str, str, str], None]  # (type, reason, message)
 
 log = logging.getLogger("pagoda.operator")
 
-# Status keys the operator owns; everything else (agents' keys) it only touches per key.
+# Status keys the operator writes (the whole status: agents report on their pods).
 OWNED = (
     "observedGeneration",
     "conditions",
@@ -35,7 +35,15 @@ OWNED = (
     "mismatchRate",
     "integrityWindow",
     "rollout",
+    "agents",
+    "agentsTotal",
 )
+MAX_NAMES = 10  # pod names listed in a condition message
+
+
+def _names(pods: list[str]) -> str:
+    shown = ", ".join(pods[:MAX_NAMES])
+    return shown + (f" and {len(pods) - MAX_NAMES} more" if len(pods) > MAX_NAMES else "")
 
 
 @dataclass
@@ -213,7 +221,7 @@ def _conditions(
             DEGRADED,
             True,
             "StaleAgents",
-            f"{len(stale)} agent(s) have not reported for more than {cfg.stale_after_s:g}s: {', '.join(stale)}",
+            f"{len(stale)} agent(s) have not reported for more than {cfg.stale_after_s:g}s: {_names(stale)}",
         )
     elif short and not progressing.status:
         degraded = Condition(
@@ -276,9 +284,17 @@ def _pool_status(role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: flo
 
 
 async def reconcile(
-    kube: Kube, body: Obj, cfg: Config, now: dt.datetime | None = None, emit: Emit | None = None
+    kube: Kube,
+    body: Obj,
+    cfg: Config,
+    now: dt.datetime | None = None,
+    emit: Emit | None = None,
+    windows: dict[tuple[str, str], Obj] | None = None,
 ) -> Outcome:
-    """Converge the children of one ModelDeployment and write its status."""
+    """Converge the children of one ModelDeployment and write its status.
+
+    ``windows`` holds the mismatch-rate window snapshot per ModelDeployment across passes (the
+    operator's memory); without it each pass starts a new window."""
     now = now or dt.datetime.now(dt.UTC)
     emit = emit or (lambda *_: None)
     meta = body["metadata"]
@@ -300,23 +316,27 @@ async def reconcile(
 
     try:
         pods = await kube.list("Pod", ns, {children.MD_LABEL: name})
-        pod_names: set[str] | None = {p["metadata"]["name"] for p in pods}
-    except Exception as err:  # listing failed: keep every agent rather than prune blindly
-        log.warning("cannot list pods of %s/%s: %s", ns, name, err)
-        pod_names = None
-    agents = classify(status.get("agents") or {}, pod_names, now, cfg.stale_after_s)
-    for pod in agents.pruned:
-        emit("Normal", "AgentPruned", f"agent report of deleted pod {pod} removed")
+    except ApiError as err:  # no reports this pass; the figures read as zero until the next
+        log.warning("cannot list pods of %s/%s: %s", ns, name, err.message)
+        pods = []
+    agents = split(reports_of(pods), now, cfg.stale_after_s)
 
     previous_rates = {p: float((status.get(p) or {}).get("mismatchRate", 0.0) or 0.0) for p in POOLS}
+    key = (ns, name)
+    snapshot_in = windows.get(key) if windows is not None else None
+    if snapshot_in is None:  # operator (re)start: an older operator kept the snapshot in the status
+        legacy = status.get("integrityWindow") or {}
+        snapshot_in = legacy if isinstance(legacy.get("counters"), dict) else None
     rates, snapshot = window(
-        status.get("integrityWindow"),
+        snapshot_in,
         agents.fresh,
         now,
         spec.integrity.window_seconds,
         previous_rates,
         known=set(agents.fresh) | set(agents.stale),
     )
+    if windows is not None:
+        windows[key] = snapshot
     pools = {p: pool_figures(p, agents.fresh, agents.stale) for p in POOLS}
     conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg)
     rendered = merge(status.get("conditions"), conds, now, meta.get("generation"))
@@ -332,19 +352,21 @@ async def reconcile(
             "ready": f"{_replicas(deps['router'], 'readyReplicas')}/{spec.router.replicas}",
         },
         "mismatchRate": max(rates.values()),
-        "integrityWindow": snapshot,
+        # The per-agent counter baselines stay in the operator's memory (2,048 of them would not
+        # fit the object); the status shows when the window began and over how many agents.
+        "integrityWindow": {"startTime": snapshot["startTime"], "agents": len(snapshot["counters"])},
+        "agents": agent_entries(agents, cfg.status_max_agents),
+        "agentsTotal": len(agents.fresh) + len(agents.stale),
         "rollout": {"handoff": spec.handoff, "stage": out.stage} if out.stage else {"handoff": spec.handoff},
     }
     if meta.get("generation") is not None:
         owned["observedGeneration"] = meta["generation"]
     before = {k: status[k] for k in OWNED if k in status}
-    if before != owned or agents.patch:
+    if before != owned:
         patch = removals(before, owned)
-        for key in OWNED:
-            if key in before and key not in owned:
-                patch[key] = None
-        if agents.patch:
-            patch["agents"] = agents.patch
+        for k in OWNED:
+            if k in before and k not in owned:
+                patch[k] = None
         out.status_patch = patch
         await kube.patch("ModelDeployment", ns, name, {"status": patch}, subresource="status")
     for cond in transitions(status.get("conditions"), rendered):

@@ -73,7 +73,9 @@ def main(argv: list[str]) -> int:
         prog="pagoda-operator render", description="print the objects the operator would create"
     )
     parser.add_argument("-f", "--filename", required=True, help="ModelDeployment YAML ('-' for stdin)")
-    parser.add_argument("--namespace", "-n", default=None, help="namespace (default: the file's, else default)")
+    parser.add_argument(
+        "--namespace", "-n", default=None, help="namespace (default: the file's, else default)"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = Config.from_env()

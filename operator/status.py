@@ -1,8 +1,9 @@
 """Aggregation of the node agents' reports into per-pool figures and the mismatch-rate window.
 
-Agents patch ``status.agents.<pod>`` (shape: ``pagoda.agent_report.AgentReport``); every report is
-read through ``AgentReport.from_status``, which tolerates older and malformed reports. Everything
-here is pure: the reconciler passes the current status, the live pod names and the clock.
+Each agent writes its report (``pagoda.agent_report.AgentReport``) as an annotation of its own Pod;
+every report is read through ``from_annotation``, which tolerates older and malformed reports. The
+CR status carries the pool sums and at most N agents, worst first (``worst``), so it stays small
+whatever the number of pods. Everything here is pure: the reconciler passes the pods and the clock.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.agent_report import AgentReport, format_time, parse_time
+from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, format_time, from_annotation, parse_time
 
 from .spec import POOLS
 
@@ -22,30 +23,61 @@ Reports = Mapping[str, AgentReport]
 
 @dataclass
 class Agents:
-    """The agents split by freshness, and the status patch that keeps ``status.agents`` tidy."""
+    """The agents' reports split by freshness."""
 
     fresh: dict[str, AgentReport] = field(default_factory=dict)
     stale: dict[str, AgentReport] = field(default_factory=dict)
-    pruned: list[str] = field(default_factory=list)
-    patch: Obj = field(default_factory=dict)
 
 
-def classify(agents: Any, pods: set[str] | None, now: dt.datetime, stale_after_s: float) -> Agents:
-    """Prune agents of gone pods, mark the ones whose last report is too old as stale."""
+def reports_of(pods: list[Obj]) -> dict[str, AgentReport]:
+    """The reports the pods carry in their annotation (pods without a readable one are left out)."""
+    out: dict[str, AgentReport] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        report = from_annotation((meta.get("annotations") or {}).get(REPORT_ANNOTATION))
+        if report is not None and isinstance(meta.get("name"), str):
+            out[meta["name"]] = report
+    return out
+
+
+def split(reports: Mapping[str, AgentReport], now: dt.datetime, stale_after_s: float) -> Agents:
+    """The reports split into fresh and stale (no report time, or older than ``stale_after_s``)."""
     out = Agents()
-    for pod, raw in sorted(agents.items() if isinstance(agents, dict) else ()):
-        if not isinstance(raw, dict):
-            continue
-        if pods is not None and pod not in pods:
-            out.pruned.append(pod)
-            out.patch[pod] = None
-            continue
-        report = AgentReport.from_status(raw)
+    for pod, report in sorted(reports.items()):
         when = report.last_report_time
         stale = when is None or (now - when).total_seconds() > stale_after_s
         (out.stale if stale else out.fresh)[pod] = report
-        if report.stale is not stale:
-            out.patch[pod] = {"stale": stale}
+    return out
+
+
+def _load(report: AgentReport) -> float:
+    cap = report.kv_capacity_tokens
+    return report.kv_used_tokens / cap if cap > 0 else 0.0
+
+
+def worst(agents: Agents, limit: int) -> list[str]:
+    """At most ``limit`` pods, worst first: stale (oldest report first), then those with integrity
+    mismatches (most first), then the most loaded (KV usage, then waiting requests)."""
+    epoch = dt.datetime.min.replace(tzinfo=dt.UTC)
+    stale = sorted(agents.stale, key=lambda p: (agents.stale[p].last_report_time or epoch, p))
+
+    def bad(r: AgentReport) -> int:
+        return r.integrity.mismatches + r.integrity.checksum_mismatches
+
+    fresh = sorted(
+        agents.fresh,
+        key=lambda p: (-bad(agents.fresh[p]), -_load(agents.fresh[p]), -agents.fresh[p].waiting_requests, p),
+    )
+    return (stale + fresh)[: max(0, limit)]
+
+
+def agent_entries(agents: Agents, limit: int) -> Obj:
+    """``status.agents``: the worst agents' reports, each with the operator's ``stale`` mark."""
+    out: Obj = {}
+    for pod in worst(agents, limit):
+        stale = pod in agents.stale
+        report = (agents.stale if stale else agents.fresh)[pod]
+        out[pod] = {**report.to_status(), "stale": stale}
     return out
 
 

@@ -10,12 +10,16 @@ its default). Pure Python: the operator imports it without the engine's dependen
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 REPORT_VERSION = 1  # 0 = an agent from before the version field
+# Each agent writes its report as this annotation on its own Pod; the operator reads the pods.
+REPORT_ANNOTATION = "pagoda.dev/agent-report"
+MAX_REPORT_BYTES = 16 * 1024  # a longer annotation is not read
 INTEGRITY_COUNTERS = (
     "checks",  # batched tag checks run
     "pages_checked",  # block-table entries compared
@@ -226,3 +230,19 @@ class AgentReport:
             last_report_time=parse_time(raw.get("lastReportTime")),
             stale=stale if isinstance(stale, bool) else None,
         )
+
+
+def to_annotation(report: AgentReport) -> str:
+    """The report as the compact JSON text of the ``REPORT_ANNOTATION`` annotation."""
+    return json.dumps(report.to_status(), separators=(",", ":"), sort_keys=True)
+
+
+def from_annotation(text: Any) -> AgentReport | None:
+    """A pod's report annotation read back; None when absent, too long or not a JSON object."""
+    if not isinstance(text, str) or not text or len(text) > MAX_REPORT_BYTES:
+        return None
+    try:
+        raw = json.loads(text)
+    except ValueError:
+        return None
+    return AgentReport.from_status(raw) if isinstance(raw, dict) else None

@@ -210,3 +210,15 @@ def test_malformed_weights_from_a_peer_take_defaults(raw) -> None:
     assert len(report.weights.by_format) <= MAX_WEIGHT_FORMATS
     assert all(0 < len(k) <= MAX_FORMAT_NAME for k in report.weights.by_format)
     assert report.weight_bytes == 123
+
+
+def test_the_pod_annotation_round_trips_and_bad_ones_read_as_none() -> None:
+    from pagoda.agent_report import MAX_REPORT_BYTES, from_annotation, to_annotation
+
+    report = AgentReport(pool="decode", node="n", ready=True, kv_capacity_tokens=10)
+    text = to_annotation(report)
+    assert " " not in text and json.loads(text) == report.to_status()
+    assert from_annotation(text) == report
+    for bad in (None, "", "not json", "[1, 2]", "3", 7, "{" + " " * MAX_REPORT_BYTES + "}"):
+        assert from_annotation(bad) is None, bad
+    assert from_annotation('{"pool": "decode", "kvCapacityTokens": "many"}').kv_capacity_tokens == 0

@@ -1,8 +1,11 @@
-"""The agent reporter: patch ``status.agents.<pod>`` of this pod's ModelDeployment every interval.
+"""The agent reporter: write this pod's report into its own Pod every interval.
 
 On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
-Each report is a JSON merge patch of the status subresource touching only this pod's key: an
-``AgentReport`` (pagoda/agent_report.py, the shape the operator reads) as ``to_status()``.
+Each report is a JSON merge patch of this Pod's ``pagoda.dev/agent-report`` annotation: an
+``AgentReport`` (pagoda/agent_report.py, the shape the operator reads) as compact JSON. The
+operator reads the pods of its ModelDeployment and keeps only sums and the worst agents in the
+CR status, so the CR stays small whatever the number of pods, and agents and operator never write
+the same object.
 Credentials: the pod's ServiceAccount when in a cluster, else ``KUBECONFIG`` / ``~/.kube/config``
 (server, token or client certificate, CA).
 """
@@ -27,13 +30,20 @@ from urllib.parse import quote
 
 import httpx
 
-from pagoda.agent_report import AgentReport, IntegrityReport, PhaseFormats, WeightReport
+from pagoda.agent_report import (
+    REPORT_ANNOTATION,
+    AgentReport,
+    IntegrityReport,
+    PhaseFormats,
+    WeightReport,
+    to_annotation,
+)
 from pagoda.node_agent.serving.metrics import EngineSnapshot
 
 log = logging.getLogger("pagoda.reporter")
 
 SA_DIR = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount")
-API = "/apis/pagoda.dev/v1alpha1/namespaces/{ns}/modeldeployments/{name}/status"
+API = "/api/v1/namespaces/{ns}/pods/{pod}"
 
 
 @dataclass
@@ -60,7 +70,7 @@ class ReporterConfig:
 
     @property
     def path(self) -> str:
-        return API.format(ns=quote(self.namespace), name=quote(self.md_name))
+        return API.format(ns=quote(self.namespace), pod=quote(self.pod))
 
 
 def _sa_namespace() -> str | None:
@@ -186,7 +196,7 @@ class AgentReporter:
     async def report_once(self, client: httpx.AsyncClient) -> None:
         snap = self.snapshot()
         report = build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
-        body = {"status": {"agents": {self.cfg.pod: report.to_status()}}}
+        body = {"metadata": {"annotations": {REPORT_ANNOTATION: to_annotation(report)}}}
         assert self.auth is not None
         resp = await client.patch(
             self.auth.server + self.cfg.path,

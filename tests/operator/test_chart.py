@@ -68,7 +68,17 @@ NON_DEFAULT = {
 def test_default_render_is_valid(chart: helm_python.Chart) -> None:
     docs = render(chart)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",  # agent (reference)
+        "ClusterRole",  # operator
+        "ClusterRole",  # operator: its CRD
+        "ClusterRoleBinding",
+        "ClusterRoleBinding",
+        "Deployment",
+        "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
     for doc in docs:
         validate(doc)
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -114,8 +124,15 @@ def test_operator_config_from_chart_env_is_read_by_the_operator(chart: helm_pyth
 def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     roles = {d["metadata"]["name"]: d for d in render(chart) if d["kind"] == "ClusterRole"}
     agent = roles["pagoda-agent"]["rules"]
-    assert agent == [
-        {"apiGroups": ["pagoda.dev"], "resources": ["modeldeployments/status"], "verbs": ["get", "patch"]}
+    assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    crd = roles["pagoda-operator-crd"]["rules"]
+    assert crd == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": ["modeldeployments.pagoda.dev"],
+            "verbs": ["patch"],  # server-side apply of the one CRD; Helm creates it at install
+        }
     ]
     operator = roles["pagoda-operator"]["rules"]
     verbs = {
@@ -128,7 +145,8 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),
     ]
-    assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
+    assert verbs[("", "pods")] == {"list", "patch"} and verbs[("", "events")] == {"create"}
+    assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
     assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none
     # Secrets: read by name and create <md>-internal; never list/watch (every Secret's data) or rewrite.

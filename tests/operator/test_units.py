@@ -9,7 +9,7 @@ import pytest
 from pagoda.agent_report import AgentReport
 from pagoda.operator import apply, formats, rollout
 from pagoda.operator.spec import parse
-from pagoda.operator.status import classify, pool_figures, window
+from pagoda.operator.status import pool_figures, window
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -81,34 +81,6 @@ def test_decode_with_a_stale_observed_generation_is_not_rolled() -> None:
 
 def stamp(age_s: float) -> str:
     return (NOW - dt.timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def test_classify_prunes_gone_pods_and_marks_stale_ones() -> None:
-    agents = {
-        "a": {"pool": "decode", "lastReportTime": stamp(5)},
-        "b": {"pool": "decode", "lastReportTime": stamp(120), "stale": False},
-        "c": {"pool": "decode", "lastReportTime": stamp(1), "stale": True},
-        "gone": {"pool": "decode", "lastReportTime": stamp(1)},
-        "bad": {"pool": "decode", "lastReportTime": "yesterday"},
-    }
-    out = classify(agents, {"a", "b", "c", "bad"}, NOW, 60)
-    assert set(out.fresh) == {"a", "c"} and set(out.stale) == {"b", "bad"}
-    assert out.pruned == ["gone"]
-    assert out.patch == {
-        "gone": None,
-        "a": {"stale": False},
-        "b": {"stale": True},
-        "c": {"stale": False},
-        "bad": {"stale": True},
-    }
-    assert classify(agents, None, NOW, 60).pruned == []  # pods unknown: prune nothing
-    assert out.fresh["a"].pool == "decode" and out.stale["bad"].last_report_time is None
-
-
-def test_classify_skips_malformed_agents() -> None:
-    out = classify({"x": "not a report", "y": None, "z": {"lastReportTime": stamp(1)}}, None, NOW, 60)
-    assert set(out.fresh) == {"z"} and not out.stale and out.patch == {"z": {"stale": False}}
-    assert classify(["not", "a", "map"], None, NOW, 60) == classify({}, None, NOW, 60)
 
 
 def test_pool_figures_sum_fresh_agents_only() -> None:

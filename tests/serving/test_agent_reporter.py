@@ -1,5 +1,5 @@
 """The agent reporter against the kmock Kubernetes emulator, with the real kopf operator reading
-the reports: the status patch has the contract's shape and the operator aggregates it."""
+the reports: the pod annotation has the contract's shape and the operator aggregates it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pagoda.agent_report import REPORT_VERSION, AgentReport, IntegrityReport
+from pagoda.agent_report import REPORT_ANNOTATION, REPORT_VERSION, AgentReport, IntegrityReport
 from pagoda.node_agent.agent.reporter import AgentReporter, KubeAuth, ReporterConfig, build_report
 from pagoda.node_agent.engine.state import KVPoolState
 from pagoda.node_agent.serving.metrics import EngineSnapshot
@@ -57,7 +57,7 @@ def test_reporter_is_off_outside_a_deployment() -> None:
     assert (cfg.pool, cfg.interval_s, cfg.path) == (
         "decode",
         3.0,
-        "/apis/pagoda.dev/v1alpha1/namespaces/ns/modeldeployments/smollm/status",
+        "/api/v1/namespaces/ns/pods/p",  # its own pod: the report is an annotation there
     )
 
 
@@ -99,7 +99,7 @@ def test_report_carries_every_engine_counter_and_parses_back() -> None:
     assert report.version == REPORT_VERSION and report.ready is True
 
 
-def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, stack) -> None:
+def test_reporter_annotates_its_pod_and_the_operator_aggregates_it(cluster, stack) -> None:
     stored = admit(example(prefill={"gpus": 0}, decode={"gpus": 0}))
     stored["metadata"].update(
         uid="uid-1", generation=1, resourceVersion="1", creationTimestamp="2026-11-29T12:00:00Z"
@@ -129,8 +129,8 @@ def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, s
 
     rep = asyncio.run(run())
     assert rep.sent >= 2 and rep.failures == 0
-    md = cluster.get(MD)
-    report = md["status"]["agents"][POD]
+    annotations = cluster.get(f"{POD_PATH.format(ns=NS)}/{POD}")["metadata"]["annotations"]
+    report = json.loads(annotations[REPORT_ANNOTATION])
     assert set(report) >= {
         "pool",
         "node",
@@ -167,7 +167,7 @@ def test_reporter_patches_agent_status_and_the_operator_aggregates_it(cluster, s
     assert report["integrity"]["mode"] == "enforce"
     parsed = AgentReport.from_status(report)
     assert parsed.version == REPORT_VERSION and parsed.model == s.model
-    assert parsed.to_status() == {k: v for k, v in report.items() if k != "stale"}
+    assert parsed.to_status() == report and "stale" not in report  # stale is the operator's mark
     assert report["lastReportTime"].endswith("Z")
     decode = cluster.wait_for(
         lambda: (
