@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import helm_python
 import jsonschema
@@ -42,7 +43,8 @@ def render(chart: helm_python.Chart, values: dict | None = None) -> list[dict]:
 
 def validate(obj: dict) -> None:
     if obj["apiVersion"] == "monitoring.coreos.com/v1":
-        schema = json.loads((SCHEMAS / "servicemonitor-monitoring-v1.json").read_text())
+        name = {"ServiceMonitor": "servicemonitor", "PrometheusRule": "prometheusrule"}[obj["kind"]]
+        schema = json.loads((SCHEMAS / f"{name}-monitoring-v1.json").read_text())
         jsonschema.validate(obj, schema)
     else:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
@@ -60,7 +62,10 @@ NON_DEFAULT = {
     "agent": {"reportIntervalSeconds": 30},
     "fp8": {"placement": "label", "nodeLabel": "example.com/fp8"},
     "autoscaling": {"provider": "keda", "prometheusAddress": "http://prom.obs.svc:9090"},
-    "metrics": {"serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "prom"}, "highMismatchRate": 0.05},
+    },
     "dashboard": {"enabled": True},
 }
 
@@ -91,7 +96,7 @@ def test_default_render_is_valid(chart: helm_python.Chart) -> None:
 def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
     docs = render(chart, NON_DEFAULT)
     by_kind = {d["kind"]: d for d in docs}
-    assert {"ServiceMonitor", "ConfigMap"} <= set(by_kind)
+    assert {"ServiceMonitor", "ConfigMap", "PrometheusRule"} <= set(by_kind)
     for doc in docs:
         validate(doc)
     container = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0]
@@ -107,6 +112,23 @@ def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
     assert {"KV cache usage", "Generated tokens/s", "KV integrity mismatch rate"} <= {
         p["title"] for p in dashboard["panels"]
     }
+
+
+def test_prometheus_rules_alert_on_integrity_and_stale_agents(chart: helm_python.Chart) -> None:
+    rule = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "PrometheusRule")
+    rules = {r.get("alert") or r["record"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"PagodaKVIntegrityDegraded", "PagodaHighMismatchRate", "PagodaStaleAgents"} <= set(rules)
+    assert rules["PagodaHighMismatchRate"]["expr"].endswith("> 0.05")
+    assert rules["PagodaKVIntegrityDegraded"]["expr"].endswith("> 0.0001")
+    exprs = " ".join(r["expr"] for r in rules.values())
+    for metric in re.findall(r"pagoda_[a-z_]+", exprs):
+        assert metric in METRICS, metric  # only metrics the agents export
+    monitor = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "ServiceMonitor")
+    # The headless per-pod Services select the same pods: the monitor skips them (no double scrape).
+    assert monitor["spec"]["selector"]["matchExpressions"] == [
+        {"key": "pagoda.dev/headless", "operator": "DoesNotExist"}
+    ]
+    assert "PrometheusRule" not in {d["kind"] for d in render(chart)}
 
 
 def test_operator_config_from_chart_env_is_read_by_the_operator(chart: helm_python.Chart) -> None:
@@ -169,6 +191,8 @@ def test_chart_ships_the_crd(chart: helm_python.Chart) -> None:
         {"fp8": {"placement": "gpuProducts"}},
         {"autoscaling": {"provider": "custom"}},
         {"metrics": {"serviceMonitor": {"interval": "soon"}}},
+        {"metrics": {"prometheusRule": {"highMismatchRate": 2}}},
+        {"agentPolicy": {"enabled": "yes"}},
         {"unknownKey": True},
     ],
 )

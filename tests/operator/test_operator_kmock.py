@@ -736,3 +736,19 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
     used = {(c.group, c.resource, c.verb) for c in cluster.emulator.calls}
     assert used - allowed == set(), "requests the chart's RBAC would refuse"
     assert allowed - used == set(UNEXERCISED), "RBAC the operator does not need"
+
+
+def test_an_unchanged_resync_posts_no_event(cluster: Cluster) -> None:
+    """The timer pass runs every 0.5 s here; with nothing changed it neither writes nor posts Events."""
+    create_md(cluster, example(**CPU))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    settled(cluster)
+    add_pod(cluster, "d-0", "decode")
+    agent_patch(cluster, "d-0", report("decode"))
+    cluster.wait_for(lambda: cluster.get(MD)["status"]["agentsTotal"] == 1, what="report read")
+    time.sleep(1)  # let the passes that saw the report finish
+    events = len(cluster.get(EVENT_PATH.format(ns=NS))["items"])
+    before = writes(cluster)
+    time.sleep(2.5)  # five timer passes
+    assert len(cluster.get(EVENT_PATH.format(ns=NS))["items"]) == events
+    assert writes(cluster) == before
