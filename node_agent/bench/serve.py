@@ -1,10 +1,11 @@
 """Serving benchmark (``pagoda bench serve``): drive a live server with N concurrent streaming clients.
 
-By default it starts ``pagoda serve`` (single process) and then ``pagoda serve --disaggregated``
-with the same engine flags, runs a shared-prefix and a unique-prompt workload at every
-concurrency against each, and reports throughput, TTFT p50/p95, ITL p50/p95 and the prefix-cache
-hit rate (cached / prompt tokens, from ``usage``). ``url`` benches a server that is already
-running instead.
+By default it starts ``pagoda serve`` (single process) and ``pagoda serve --disaggregated`` with
+the same engine flags, both kept up for the whole bench, runs a shared-prefix and a unique-prompt
+workload at every concurrency against each, and reports throughput, TTFT p50/p95, ITL p50/p95 and
+the prefix-cache hit rate (cached / prompt tokens, from ``usage``), with the common method
+(``common.py``): a warm-up request per point, repeats interleaved across the modes, medians with
+spread. ``url`` benches a server that is already running instead.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import json
 import time
 from pathlib import Path
 
-from pagoda.node_agent.bench.common import Log, bench_prompts, echo, environment, plot_lines
+from pagoda.node_agent.bench.common import (
+    Log,
+    Variant,
+    bench_prompts,
+    echo,
+    environment,
+    plot_lines,
+    run_interleaved,
+    summarize,
+)
 from pagoda.node_agent.serving import launch
 
 SHARED_PREAMBLE = (
@@ -95,26 +105,36 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
     }  # fmt: skip
 
 
-def bench_mode(
-    mode: str, url: str, model: str, concurrency: list[int], num_requests: int, max_tokens: int, log: Log
-) -> list[dict]:
-    """Both workloads at every concurrency against the server at ``url``."""
-    rows = []
+POINT_FIGURES = (
+    "throughput_tok_s",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "itl_p50_s",
+    "itl_p95_s",
+    "prefix_hit_rate",
+    "wall_s",
+)
+
+
+def point_variants(
+    mode: str, url: str, model: str, concurrency: list[int], num_requests: int, max_tokens: int
+) -> list[Variant]:
+    """One variant per workload and concurrency against the server at ``url``. Its warm-up seeds the
+    shared preamble with one short request (not a measured prompt); each repeat sends fresh prompts."""
+    out = []
     for kind in ("shared-prefix", "unique"):
         for c in concurrency:
             n = max(num_requests, c)
-            prompts = workload(kind, n, tag=f"{mode[0]}{c}-")
-            warm = workload(kind, 1, tag=f"warm-{mode[0]}{c}-")  # seeds the shared preamble, not a prompt
-            asyncio.run(run_point(url, model, warm, 1, 2))
-            r = asyncio.run(run_point(url, model, prompts, c, max_tokens))
-            row = {"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": c, **r}
-            rows.append(row)
-            log(
-                f"{mode:<14}{kind:<14}{c:>5}{r['throughput_tok_s']:>10.1f}{r['ttft_p50_s']:>9.3f}"
-                f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['prefix_hit_rate']:>8.2f}"
-                f"{r['errors']:>5}"
-            )
-    return rows
+
+            def run(r: int, kind=kind, c=c, n=n) -> dict:
+                prompts = workload(kind, n, tag=f"{mode[0]}{c}-r{r}-")
+                return asyncio.run(run_point(url, model, prompts, c, max_tokens))
+
+            def warm(kind=kind, c=c) -> None:
+                asyncio.run(run_point(url, model, workload(kind, 1, tag=f"warm-{mode[0]}{c}-"), 1, 2))
+
+            out.append(Variant(f"{mode}/{kind}/{c}", run, warm))
+    return out
 
 
 def bench_serve(
@@ -127,35 +147,57 @@ def bench_serve(
     url: str | None = None,
     start_timeout: float = 600,
     log: Log = echo,
+    repeats: int = 3,
 ) -> dict:
     """Start ``pagoda serve ENGINE_ARGV`` in each of ``modes`` (or use ``url``) and bench it.
 
-    ``model`` is the engine's model source; ``engine_argv`` the engine flags the servers get."""
+    Every server runs for the whole bench, so the modes are interleaved point by point (an idle
+    server only answers health polls). ``model`` is the engine's model source; ``engine_argv`` the
+    engine flags the servers get."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; use single and/or disaggregated")
     served = model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+    point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens}
+    procs = []
+    try:
+        urls = {}
+        if url:
+            urls["external"] = url.rstrip("/")
+        else:
+            for mode in modes:
+                port = launch.free_port()
+                procs.append(launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout))
+                urls[mode] = f"http://127.0.0.1:{port}"
+        by_mode = {m: point_variants(m, u, served, **point) for m, u in urls.items()}
+        # interleave: every (workload, concurrency) point runs once per mode, mode after mode
+        variants = [v for group in zip(*by_mode.values(), strict=True) for v in group]
+        runs = run_interleaved(variants, repeats, log)
+    finally:
+        launch.stop(procs, timeout=30)
     log(f"{'mode':<14}{'workload':<14}{'conc':>5}{'tok/s':>10}{'TTFT50':>9}{'TTFT95':>9}{'ITL50':>9}"
         f"{'ITL95':>9}{'hit':>8}{'err':>5}")  # fmt: skip
     rows: list[dict] = []
-    point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens, "log": log}
-    if url:
-        rows += bench_mode("external", url.rstrip("/"), served, **point)
-    else:
-        for mode in modes:
-            port = launch.free_port()
-            proc = launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout)
-            try:
-                rows += bench_mode(mode, f"http://127.0.0.1:{port}", served, **point)
-            finally:
-                launch.stop([proc], timeout=30)
+    for v in variants:
+        mode, kind, c = v.name.split("/")
+        rs = runs[v.name]
+        r = {"requests": sum(x["requests"] for x in rs), "errors": sum(x["errors"] for x in rs),
+             **summarize(rs, POINT_FIGURES)}  # fmt: skip
+        rows.append({"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": int(c), **r})
+        log(
+            f"{mode:<14}{kind:<14}{c:>5}{r['throughput_tok_s']:>10.1f}{r['ttft_p50_s']:>9.3f}"
+            f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['prefix_hit_rate']:>8.2f}"
+            f"{r['errors']:>5}"
+        )
     env = {
         **environment(),
         "threads": None,
         "threads_note": "each server process runs with torch's default threads",
     }
     return {"bench": "serve", **env, "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
-            "engine_args": engine_argv, "rows": rows}  # fmt: skip
+            "repeats": repeats, "engine_args": engine_argv, "rows": rows,
+            "method": "all servers up for the whole bench; warm-up per point, then repeats interleaved across "
+            "modes point by point; median, min, max; errors and requests summed over repeats"}  # fmt: skip
 
 
 def plot_serve(path: Path, result: dict) -> None:

@@ -128,6 +128,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         modes=a.modes,
         url=a.url,
         start_timeout=a.start_timeout,
+        repeats=a.repeats,
     )
     write_result(a.json, result, lambda p: plot_serve(p, result), command_line(a))
     return 0
@@ -214,6 +215,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="single,disaggregated")  # fmt: skip
     s.add_argument("--url", default=None, help="bench this running server instead of starting one")
     s.add_argument("--start-timeout", type=float, default=600)
+    s.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=3,
+        help="timed runs per point, interleaved across modes (median)",
+    )
     s.add_argument("--json", default=None, help=JSON_HELP)
     s.set_defaults(func=cmd_bench_serve, bench_parser=s)
 

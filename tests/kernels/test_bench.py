@@ -52,5 +52,8 @@ def test_bench_kernels_command(tmp_path):
     assert main(["bench", "kernels", "--device", "cpu", "--quick", "--threads", "1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["bench"] == "kernels" and res["device"] == "cpu" and res["threads"] == 1
+    # the method's block; the threads the kernels ran with are kept (torch's own count is restored after)
+    assert res["command"] == f"pagoda bench kernels --device cpu --quick --threads 1 --json {out}"
+    assert res["machine"]["logical_cores"] >= 1 and res["versions"]["torch"] == torch.__version__
     assert [(r["m"], r["n"], r["k"]) for r in res["gemm"]] == [(1, 64, 128), (8, 64, 128)]
     assert out.with_suffix(".png").stat().st_size > 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from pagoda.node_agent.bench.serve import percentile, run_point, workload
 from pagoda.node_agent.cli.engine_args import engine_argv, engine_config_from_args
-from pagoda.node_agent.cli.main import build_parser
+from pagoda.node_agent.cli.main import build_parser, main
 
 from .conftest import MODEL
 
@@ -38,3 +39,27 @@ def test_started_servers_get_the_engine_flags() -> None:
     a = build_parser().parse_args(["bench", "serve", *flags])
     s = build_parser().parse_args(["serve", *engine_argv(a)])
     assert engine_config_from_args(s) == engine_config_from_args(a)
+
+
+def test_bench_serve_command_against_a_running_server(stack, tmp_path) -> None:
+    from ..bench.shape import check_png, check_spread
+
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--url", stack.url, "--concurrency", "2", "--num-requests", "2"]
+    assert main([*argv, "--max-tokens", "3", "--repeats", "2", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (
+        res["bench"] == "serve"
+        and res["repeats"] == 2
+        and res["command"].startswith("pagoda bench serve --concurrency 2")
+    )
+    assert res["machine"]["logical_cores"] >= 1 and res["threads"] is None and res["versions"]["torch"]
+    assert {(r["mode"], r["workload"], r["concurrency"]) for r in res["rows"]} == {
+        ("external", "shared-prefix", 2),
+        ("external", "unique", 2),
+    }
+    for r in res["rows"]:
+        assert r["requests"] == 4 and r["errors"] == 0
+        for key in ("throughput_tok_s", "ttft_p50_s", "itl_p95_s", "prefix_hit_rate"):
+            check_spread(r, key, 2)
+    check_png(out)
