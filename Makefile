@@ -37,9 +37,11 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/lint_imports.py
 
+# decode vs transformers and llama.cpp, default formats, 3 interleaved repeats; the llama.cpp row
+# needs `$(BIN)/pip install -e '.[llamacpp]'` (builds llama.cpp, minutes), else it says "not installed"
 bench: setup
 	mkdir -p bench-results
-	$(BIN)/pagoda bench decode --model builtin://smollm2-135m --concurrency 1,8,16,32,64 --json bench-results/decode.json
+	$(BIN)/pagoda bench decode --model builtin://smollm2-135m --concurrency 1,8,16,32,64 --repeats 3 --json bench-results/decode.json
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache
