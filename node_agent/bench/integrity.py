@@ -5,9 +5,11 @@ the formats the flags give: by default the design's), with the common method (``
 The measured window holds the batch at the stated concurrency: every sequence is given enough
 tokens to outlast the prefill of the others, and only decode steps in which all ``c`` sequences
 decode are timed (no prefill, recompute or migration in them). The check's own time per window step
-is measured directly and split into host time (building its inputs: block tables and expected tags
-as tensors) and device time (the ``check_page_tags`` kernel call itself; on CUDA the call is
-synchronized before and after so its time is the device's).
+is measured directly and split into host time (the tracker's own work outside the kernel: building
+whatever inputs the engine did not hand it, reading the mask) and device time (the
+``check_page_tags`` kernel call itself; on CUDA the call is synchronized before and after so its
+time is the device's). Block tables the engine builds once per step for the model and the check
+alike are a cost of the step in both modes, not of the check.
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ class CheckTimer:
     def __enter__(self) -> CheckTimer:
         check, kernel = self.tracker.check, integrity_mod.check_page_tags
 
-        def timed_check(seqs, pool):
+        def timed_check(*args, **kw):
             t = time.perf_counter()
             try:
-                return check(seqs, pool)
+                return check(*args, **kw)
             finally:
                 self.check_s += time.perf_counter() - t
                 self.checks += 1
