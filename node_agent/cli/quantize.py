@@ -51,7 +51,8 @@ def _evaluate(source: str, out: str, a: argparse.Namespace) -> dict:
     from pagoda.node_agent.bench.evaluate import EVAL_PROMPTS, format_table, run_eval
     from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 
-    ref, ckpt = engine_factory(EngineConfig(model=source)), engine_factory(EngineConfig(model=out))
+    ref = engine_factory(EngineConfig(model=source))
+    ckpt = engine_factory(EngineConfig(model=out, kernel_backend=a.eval_kernel_backend))
 
     def make(**kw):
         return (ref if kw.get("formats") == PhaseFormats.reference() else ckpt)(**kw)
@@ -134,6 +135,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         "(pagoda eval's KL / top-1 / greedy agreement)",
     )
     q.add_argument("--eval-formats", default=EVAL_ENTRY, help=f"the eval entry (default {EVAL_ENTRY})")
+    q.add_argument(
+        "--eval-kernel-backend",
+        default=None,
+        help="kernel backend of the checkpoint's engine in --eval (default: the engine's; 'reference' "
+        "dequantizes to float32, isolating the weights' own error from the fast path's arithmetic)",
+    )
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=cmd_quantize)

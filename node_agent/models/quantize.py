@@ -57,6 +57,7 @@ class QuantizeReport:
     checkpoint_bytes: int  # every file written
     zero: str = "int"  # INT4 zero points: "int" or "float"
     group_sizes: dict[int, int] = field(default_factory=dict)  # INT4 group -> number of weights
+    zero_forms: dict[str, int] = field(default_factory=dict)  # "int" / "float" / "symmetric" -> count
     passthrough: int = 0  # weights already in the target format in the source: written unchanged
     calibrated: bool = False
     calibration_tokens: int = 0
@@ -180,6 +181,8 @@ def quantize_checkpoint(
             q = quantize_tensor(_dense(src), weights, group_size, float_zero, name)
         if isinstance(q, Int4Weight):
             report.group_sizes[q.group_size] = report.group_sizes.get(q.group_size, 0) + 1
+            form = "float" if q.mins is not None else "symmetric" if q.symmetric else "int"
+            report.zero_forms[form] = report.zero_forms.get(form, 0) + 1
         report.linear_params += q.out_features * q.in_features
         for part, t in state_of(q).items():
             key = f"{name}.{part}"
@@ -261,7 +264,8 @@ def format_report(r: QuantizeReport) -> str:
     lines = [f"quantized {r.num_tensors} linear weights ({r.linear_params / 1e6:.1f}M params) to {r.weights}"]
     if r.weights == "int4":
         groups = ", ".join(f"group {g}: {c}" for g, c in sorted(r.group_sizes.items()))
-        lines[0] += f" ({r.zero} zero points; {groups})"
+        zeros = ", ".join(f"{form}: {c}" for form, c in sorted(r.zero_forms.items()))
+        lines[0] += f" ({groups}; zero points {zeros})"
     if r.passthrough:
         lines.append(
             f"{r.passthrough} of them were already {r.weights} in the source: written through unchanged "

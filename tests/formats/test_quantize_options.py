@@ -20,7 +20,7 @@ from pagoda.node_agent.models.quantize import MANIFEST, format_report, quantize_
 
 from .test_gptq_awq import TINY, _gptq_qc, _rtn, dequant, encode_gptq
 
-TINY_DENSE = {**TINY, "intermediate_size": 384}  # K = 192 (group 64) and 384 (group 128)
+TINY_DENSE = {**TINY, "intermediate_size": 384, "max_position_embeddings": 1024}  # K = 192 and 384
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_cli_float_zero_calibrated_checkpoint(tiny_dir, tmp_path, capsys):
     )  # fmt: skip
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "float zero points; group 64: 12, group 128: 2" in printed and "clip search on" in printed
+    assert "(group 64: 12, group 128: 2; zero points float: 14)" in printed and "clip search on" in printed
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["calibrated"] and report["calibration_error"] < report["calibration_error_rtn"]
     assert report["group_sizes"] == {"64": 12, "128": 2} and report["group_size"] == "auto"
@@ -153,7 +153,7 @@ def test_int4_source_is_written_through_unchanged(tmp_path, builtin_tokenizer):
     builtin_tokenizer._tok.save_pretrained(src)
     before = load_model(str(src)).weights
     report = quantize_checkpoint(str(src), "int4", tmp_path / "out", group_size=32, progress=False)
-    assert report.passthrough == 14 and report.group_sizes == {64: 14}
+    assert report.passthrough == 14 and report.group_sizes == {64: 14} and report.zero_forms == {"int": 14}
     assert "written through unchanged" in format_report(report)
     after = load_model(str(tmp_path / "out")).weights
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
@@ -174,3 +174,18 @@ def test_int4_source_is_written_through_unchanged(tmp_path, builtin_tokenizer):
         after["model.layers.0.mlp.up_proj.weight"].dequantize(),
         dequant(q, zeros, scales, torch.arange(192) // 64),
     )
+
+
+@pytest.mark.slow
+def test_eval_scores_the_checkpoint_against_the_source(tiny_dir, tmp_path):
+    """--eval builds the float32 reference from the source, not from the checkpoint (whose own
+    dequantization would make the INT4 rows look lossless)."""
+    rc = main(
+        ["quantize", "--model", str(tiny_dir), "--weights", "int4", "--out", str(tmp_path / "q"), "--eval",
+         "--eval-kernel-backend", "reference", "--json", str(tmp_path / "r.json"), "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    ev = json.loads((tmp_path / "r.json").read_text())["eval"]
+    assert ev["reference_model"] == str(tiny_dir) and ev["model"] == str(tmp_path / "q")
+    row = ev["rows"][0]
+    assert row["formats"] == "int4/bf16" and row["mean_kl"] > 1e-4  # RTN INT4 differs from float32
