@@ -174,6 +174,7 @@ def environment(command: str | None = None) -> dict:
             "torch": torch.__version__,
             "transformers": package_version("transformers"),
             "pagoda": package_version("pagoda"),
+            "llama-cpp-python": package_version("llama-cpp-python"),  # None when not installed
         },
         "git": git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
