@@ -9,25 +9,23 @@ from pathlib import Path
 
 from pagoda.kernels.int4 import SUPPORTED_GROUPS
 from pagoda.node_agent.cli.engine_args import DEFAULT_MODEL
-from pagoda.node_agent.models.int4_quant import ZERO_KINDS
+from pagoda.node_agent.models.int4_quant import ZERO_KINDS, layer_group_size
 from pagoda.node_agent.models.quantize import QUANT_FORMATS, format_report, quantize_checkpoint
 
 EVAL_ENTRY = "int4/bf16"  # decode weights as stored, dense KV: the weights' own loss
 
 
 def group_size_arg(text: str) -> int | None:
-    """'auto' -> None (each layer's largest allowed group dividing K); else one of SUPPORTED_GROUPS."""
+    """'auto' -> None (each layer's largest allowed group dividing K); else an integer, checked
+    against the supported groups before any work (exit status 2 naming them)."""
     if text == "auto":
         return None
     try:
-        g = int(text)
+        return int(text)
     except ValueError:
-        g = -1
-    if g not in SUPPORTED_GROUPS:
         raise argparse.ArgumentTypeError(
             f"must be auto or one of {', '.join(map(str, SUPPORTED_GROUPS))}, got {text!r}"
-        )
-    return g
+        ) from None
 
 
 def _calibration(source: str, loaded, tokenizer) -> tuple[dict, int]:
@@ -72,7 +70,9 @@ def cmd_quantize(a: argparse.Namespace) -> int:
     tokens = 0
     if a.calibrate:
         if a.weights != "int4":
-            raise SystemExit("pagoda quantize: error: --calibrate applies to --weights int4 only")
+            raise ValueError("--calibrate applies to --weights int4 only")
+        if a.group_size is not None:
+            layer_group_size(2 * a.group_size, a.group_size)  # a bad value fails before any loading
         from pagoda.node_agent.models.loader import load_model
         from pagoda.node_agent.models.tokenizer import Tokenizer
 

@@ -50,4 +50,4 @@ def test_pagoda_quantize_group_errors():
         layer_group_size(80)
     assert group_size_arg("auto") is None and group_size_arg("64") == 64
     with pytest.raises(argparse.ArgumentTypeError, match="must be auto or one of"):
-        group_size_arg("100")
+        group_size_arg("big")
