@@ -17,6 +17,7 @@ every pod.
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any
 
 from . import podspec, scaling
@@ -29,6 +30,9 @@ MANAGED_BY = "pagoda-operator"
 MD_LABEL = "pagoda.dev/model-deployment"
 POOL_LABEL = "pagoda.dev/pool"
 HANDOFF_ANNOTATION = "pagoda.dev/handoff"
+FORMATS_LABEL = "pagoda.dev/formats"  # the pool pair's format generation; the pool Services select it
+SLOT_LABEL = "pagoda.dev/slot"
+BLUE, GREEN = "blue", "green"  # the two slots of a pool pair: <md>-<pool> and <md>-<pool>-green
 INTERNAL_SECRET_ANNOTATION = "pagoda.dev/internal-secret-uid"
 MODEL_MOUNT = "/mnt/models"
 INTERNAL = "internal"  # component of the operator-generated Secret
@@ -80,6 +84,22 @@ def _metadata(meta: Obj, name: str, component: str) -> Obj:
         "labels": labels(meta["name"], component),
         "ownerReferences": [owner_reference(meta)],
     }
+
+
+def generation_of(formats: tuple[str, str, str, str]) -> str:
+    """The generation of (prefill weights, prefill KV, decode weights, decode KV)."""
+    return hashlib.sha256("/".join(formats).encode()).hexdigest()[:10]
+
+
+def formats_generation(spec: Spec) -> str:
+    """The pool pair's format generation: a format change makes a new pair beside the serving one."""
+    p, d = spec.prefill, spec.decode
+    return generation_of((p.weight_format, p.kv_cache_format, d.weight_format, d.kv_cache_format))
+
+
+def pool_deployment_name(md_name: str, pool: str, slot: str = BLUE) -> str:
+    """Deployment of a pool in a slot: ``<md>-<pool>`` (blue) or ``<md>-<pool>-green``."""
+    return f"{md_name}-{pool}" if slot == BLUE else f"{md_name}-{pool}-{slot}"
 
 
 def child_name(md_name: str, component: str) -> str:
@@ -258,10 +278,14 @@ def autoscaled(spec: Spec, role: str) -> bool:
     return role != "router" and spec.pool(role).autoscaling is not None
 
 
-def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None) -> Obj:
-    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router.
+def deployment(
+    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None, slot: str = BLUE
+) -> Obj:
+    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router (a pool's green slot:
+    ``<md>-<pool>-green``, during a format change).
 
     ``internal_uid`` is the uid of the live ``<md>-internal`` Secret: a new Secret rolls the pods.
+    Pool pods carry their format generation (``pagoda.dev/formats``), which the pool Services select.
     An autoscaled pool's Deployment carries no ``replicas``: the autoscaler owns them (the
     operator creates it at ``minReplicas`` and never reverts a scale).
     """
@@ -302,14 +326,21 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str 
             pod_spec["affinity"] = affinity
     if internal_uid:
         annotations[INTERNAL_SECRET_ANNOTATION] = internal_uid
-    template: Obj = {"metadata": {"labels": labels(name, role)}, "spec": pod_spec}
+    pod_labels = labels(name, role)
+    match = selector(name, role)
+    if role != "router":
+        pod_labels[FORMATS_LABEL] = formats_generation(spec)
+        if slot != BLUE:  # blue keeps the selector Deployments always had (it is immutable)
+            pod_labels[SLOT_LABEL] = slot
+            match[SLOT_LABEL] = slot
+    template: Obj = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
     if annotations:
         template["metadata"]["annotations"] = annotations
     if overlay:
         template = podspec.strategic_merge(template, overlay)
-        template["metadata"]["labels"].update(labels(name, role))  # the selector labels stay ours
+        template["metadata"]["labels"].update(pod_labels)  # the selector labels stay ours
     dep_spec: Obj = {
-        "selector": {"matchLabels": selector(name, role)},
+        "selector": {"matchLabels": match},
         "strategy": {
             "type": "RollingUpdate",
             "rollingUpdate": {"maxSurge": rolling.max_surge, "maxUnavailable": rolling.max_unavailable},
@@ -319,19 +350,21 @@ def deployment(meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str 
     }
     if replicas is not None:
         dep_spec = {"replicas": replicas, **dep_spec}
+    dep_name = child_name(name, role) if role == "router" else pool_deployment_name(name, role, slot)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(meta, child_name(name, role), role),
+        "metadata": _metadata(meta, dep_name, role),
         "spec": dep_spec,
     }
 
 
-def service(meta: Obj, spec: Spec, role: str) -> Obj:
-    """Service ``<md>-<role>``; the router's type and port come from the spec."""
+def service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj:
+    """Service ``<md>-<role>``; the router's type and port come from the spec. A pool's Services
+    select the serving format generation ``formats`` (none: every pod of the pool)."""
     svc_spec: Obj = {
         "type": "ClusterIP",
-        "selector": selector(meta["name"], role),
+        "selector": {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})},
         "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
     }
     if role == "router":
@@ -345,7 +378,7 @@ def service(meta: Obj, spec: Spec, role: str) -> Obj:
     }
 
 
-def headless_service(meta: Obj, role: str) -> Obj:
+def headless_service(meta: Obj, role: str, formats: str | None = None) -> Obj:
     """Headless Service ``<md>-<pool>-pods``: DNS returns one A record per ready pod of the pool, so
     the router sees (and routes, marks down, pins sessions to) each pod, not one Service IP."""
     metadata = _metadata(meta, headless_name(meta["name"], role), role)
@@ -357,14 +390,15 @@ def headless_service(meta: Obj, role: str) -> Obj:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
-            "selector": selector(meta["name"], role),
+            "selector": {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})},
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
 
-def scaling_children(meta: Obj, spec: Spec, cfg: Config) -> list[Obj]:
-    """PodDisruptionBudgets (pools and router, unless disabled) and autoscalers of autoscaled pools."""
+def scaling_children(meta: Obj, spec: Spec, cfg: Config, slots: dict[str, str] | None = None) -> list[Obj]:
+    """PodDisruptionBudgets (pools and router, unless disabled; over both slots of a pool) and
+    autoscalers of autoscaled pools, on the Deployment of the serving slot (``slots``)."""
     objs: list[Obj] = []
     name = meta["name"]
     for role in ("prefill", "decode", "router"):
@@ -376,7 +410,8 @@ def scaling_children(meta: Obj, spec: Spec, cfg: Config) -> list[Obj]:
         auto = spec.pool(role).autoscaling
         if auto is not None:
             md = _metadata(meta, child_name(name, role), role)
-            objs.append(scaling.autoscaler(md, child_name(name, role), auto, cfg))
+            target = pool_deployment_name(name, role, (slots or {}).get(role, BLUE))
+            objs.append(scaling.autoscaler(md, target, auto, cfg))
     return objs
 
 
@@ -460,14 +495,32 @@ def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
     ]
 
 
-def build(meta: Obj, spec: Spec, cfg: Config, internal_uid: str | None = None) -> dict[str, Obj]:
+def build(
+    meta: Obj,
+    spec: Spec,
+    cfg: Config,
+    internal_uid: str | None = None,
+    slots: dict[str, str] | None = None,
+    serving: dict[str, str | None] | None = None,
+    scale_slots: dict[str, str] | None = None,
+) -> dict[str, Obj]:
     """All children keyed by ``Kind/name``, in the order they should be applied (the network
-    policies before the pods they fence, the Deployments before their autoscalers)."""
+    policies before the pods they fence, the Deployments before their autoscalers).
+
+    ``slots`` names the slot each pool's desired Deployment goes into (blue by default) and
+    ``serving`` the format generation each pool's Services select (the spec's by default; None:
+    no generation in the selector, as Services made before generations had). The reconciler sets
+    both during a format change (``rollout.plan``)."""
+    slots = slots or {}
+    generation = formats_generation(spec)
     objs = agent_rbac(meta) + network_policies(meta, spec)
     for role in ("decode", "prefill", "router"):
-        objs.append(deployment(meta, spec, role, cfg, internal_uid))
-        objs.append(service(meta, spec, role))
-        if role != "router":
-            objs.append(headless_service(meta, role))
-    objs += scaling_children(meta, spec, cfg)
+        objs.append(deployment(meta, spec, role, cfg, internal_uid, slots.get(role, BLUE)))
+        if role == "router":
+            objs.append(service(meta, spec, role))
+            continue
+        formats = serving[role] if serving is not None and role in serving else generation
+        objs.append(service(meta, spec, role, formats))
+        objs.append(headless_service(meta, role, formats))
+    objs += scaling_children(meta, spec, cfg, scale_slots or slots)
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

@@ -33,6 +33,7 @@ class Config:
     cluster_domain: str = "cluster.local"
     status_max_agents: int = 16  # per-agent entries kept in the CR status, worst first
     install_crd: bool = True  # server-side apply the CRD at start
+    shift_settle_s: float = 15.0  # format change: between moving the two pools' Services, and before removal
     crd_file: str = ""  # empty: crds/modeldeployment.yaml next to the package, else /app/crds
 
     @classmethod
@@ -62,4 +63,5 @@ class Config:
             status_max_agents=max_agents,
             install_crd=_flag(env.get("PAGODA_INSTALL_CRD"), cls.install_crd),
             crd_file=env.get("PAGODA_CRD_FILE", cls.crd_file),
+            shift_settle_s=float(env.get("PAGODA_SHIFT_SETTLE_S", cls.shift_settle_s)),
         )

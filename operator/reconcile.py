@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.agent_report import format_time, parse_time
+
 from . import children, credentials, formats, rollout
 from .apply import ensure, removals
 from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
@@ -58,6 +60,7 @@ class Outcome:
     credential_problems: list[formats.Problem] = field(default_factory=list)
     # Children the API server refused to create, patch or delete: "Kind/name: its message".
     apply_errors: list[str] = field(default_factory=list)
+    plan: rollout.Plan | None = None
 
 
 def _replicas(dep: Obj | None, key: str) -> int:
@@ -98,56 +101,74 @@ async def _remove_unwanted(kube: Kube, meta: Obj, desired: dict[str, Obj], cfg: 
             out.apply_errors.append(f"{key}: {err.message}")
 
 
-async def _apply_one(kube: Kube, key: str, obj: Obj, current: Obj | None, action: str, out: Outcome) -> None:
-    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-    if action == rollout.HOLD:
-        return
-    if action == rollout.DRAIN:
-        if current is None:
-            obj = {**obj, "spec": {**obj["spec"], "replicas": 0}}
-        elif (current.get("spec") or {}).get("replicas") != 0:
-            await kube.patch("Deployment", ns, name, {"spec": {"replicas": 0}})
-            out.actions[key] = "drained"
-            return
-        else:
-            return
+async def _ensure(kube: Kube, key: str, obj: Obj, current: Obj | None, out: Outcome) -> None:
     result = await ensure(kube, obj, current)
     if result != "unchanged":
         out.actions[key] = result
 
 
-async def _converge(kube: Kube, meta: Obj, spec: Spec, cfg: Config, out: Outcome) -> dict[str, Obj | None]:
-    ns = meta["namespace"]
+def _live_replicas(dep: Obj | None) -> int:
+    return int(((dep or {}).get("spec") or {}).get("replicas", 0) or 0)
+
+
+async def _converge(
+    kube: Kube, meta: Obj, spec: Spec, cfg: Config, status: Obj, now: dt.datetime, out: Outcome
+) -> dict[str, Obj | None]:
+    """Apply the children; the pool pair goes by ``rollout.plan`` (blue/green on a format change).
+    Returns the Deployments that serve: per pool the one its Services select, and the router."""
+    ns, name = meta["namespace"], meta["name"]
     internal_uid = await _credentials(kube, meta, spec, out)
-    desired = children.build(meta, spec, cfg, internal_uid)
-    await _remove_unwanted(kube, meta, desired, cfg, out)
-    live = {
-        role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
-        for role in ("prefill", "decode", "router")
-    }
-    plan = rollout.plan(spec.handoff, live["prefill"], live["decode"])
+    slots = (children.BLUE, children.GREEN)
+    names = {(p, s): children.pool_deployment_name(name, p, s) for p in POOLS for s in slots}
+    deps = {key: await kube.get("Deployment", ns, n) for key, n in names.items()}
+    services = {p: await kube.get("Service", ns, children.child_name(name, p)) for p in POOLS}
+    shifted_at = parse_time((status.get("rollout") or {}).get("shiftedAt"))
+    kv = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
+    generation = children.formats_generation(spec)
+    plan = rollout.plan(generation, deps, services, names, kv, shifted_at, now, cfg.shift_settle_s)
+    out.plan = plan
     out.stage = plan.stage
-    actions = {"prefill": plan.prefill, "decode": plan.decode}
+    placed = {p: s or children.BLUE for p, s in plan.slots.items()}
+    desired = children.build(meta, spec, cfg, internal_uid, placed, plan.serving, plan.scale_slots)
+    await _remove_unwanted(kube, meta, desired, cfg, out)
     for key, obj in desired.items():
         role = obj["metadata"]["labels"][children.POOL_LABEL]
-        is_dep = obj["kind"] == "Deployment"
-        action = actions.get(role, rollout.APPLY) if is_dep else rollout.APPLY
         try:
-            current = live[role] if is_dep else await kube.get(obj["kind"], ns, obj["metadata"]["name"])
-            if is_dep and current is None and children.autoscaled(spec, role):
+            if obj["kind"] == "Deployment" and role in POOLS:
+                if plan.slots.get(role) is None:
+                    continue  # PinServingPair: the serving pods are relabelled first
+                current = deps[(role, placed[role])]
                 auto = spec.pool(role).autoscaling
-                assert auto is not None
-                obj = {**obj, "spec": {"replicas": auto.min_replicas, **obj["spec"]}}  # then the HPA's
-            await _apply_one(kube, key, obj, current, action, out)
+                if current is None and auto is not None:
+                    # Created at the autoscaler's minimum, or as large as the pair it replaces.
+                    before = max((_live_replicas(deps[(role, s)]) for s in slots), default=0)
+                    obj = {**obj, "spec": {"replicas": max(auto.min_replicas, before), **obj["spec"]}}
+            else:
+                current = await kube.get(obj["kind"], ns, obj["metadata"]["name"])
+            await _ensure(kube, key, obj, current, out)
         except ApiError as err:
             out.apply_errors.append(f"{key}: {err.message}")
-            log.warning(
-                "cannot apply %s: %s", key, err.message, extra={"modeldeployment": f"{ns}/{meta['name']}"}
-            )
-    return {
-        role: await kube.get("Deployment", ns, children.child_name(meta["name"], role))
-        for role in ("prefill", "decode", "router")
+            log.warning("cannot apply %s: %s", key, err.message, extra={"modeldeployment": f"{ns}/{name}"})
+    for dep_name, gen in plan.label.items():
+        try:
+            patch = {"spec": {"template": {"metadata": {"labels": {children.FORMATS_LABEL: gen}}}}}
+            await kube.patch("Deployment", ns, dep_name, patch)
+            out.actions[f"Deployment/{dep_name}"] = "relabelled"
+        except ApiError as err:
+            out.apply_errors.append(f"Deployment/{dep_name}: {err.message}")
+    for dep_name in plan.delete:
+        try:
+            live = await kube.get("Deployment", ns, dep_name)
+            if live is not None and await kube.delete(
+                "Deployment", ns, dep_name, live["metadata"].get("uid")
+            ):
+                out.actions[f"Deployment/{dep_name}"] = "deleted"
+        except ApiError as err:
+            out.apply_errors.append(f"Deployment/{dep_name}: {err.message}")
+    serving = {
+        p: await kube.get("Deployment", ns, names[(p, plan.scale_slots.get(p, children.BLUE))]) for p in POOLS
     }
+    return {**serving, "router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
 
 
 def desired_replicas(spec: Spec, role: str, dep: Obj | None) -> int:
@@ -192,8 +213,8 @@ def _conditions(
         or not rollout.only_current_pods(deps[role])
         or _replicas(deps[role], "updatedReplicas") < desired[role]
     ]
-    if out.stage:
-        progressing = Condition(PROGRESSING, True, out.stage, _stage_message(spec, out.stage))
+    if out.stage and out.plan is not None:
+        progressing = Condition(PROGRESSING, True, out.stage, out.plan.message)
     elif rolling:
         progressing = Condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling))
     else:
@@ -206,14 +227,21 @@ def _conditions(
         ready = Condition(READY, False, creds[0].reason, "; ".join(p.message for p in creds))
     elif desired["prefill"] == 0 and desired["decode"] == 0:
         ready = Condition(READY, False, "Paused", "both pools are scaled to zero")
-    elif short or out.stage:
-        ready = Condition(
-            READY, False, "PoolsNotReady", "waiting for replicas: " + (", ".join(short) or out.stage or "")
-        )
+    elif short:
+        ready = Condition(READY, False, "PoolsNotReady", "waiting for replicas: " + ", ".join(short))
     else:
         ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
+    stalled = out.plan.stalled if out.plan is not None else None
     if out.apply_errors:
         degraded = Condition(DEGRADED, True, "ApplyFailed", "; ".join(out.apply_errors))
+    elif stalled:
+        degraded = Condition(
+            DEGRADED,
+            True,
+            "NewPairStalled",
+            f"the new pool pair made no progress within spec.rollout.progressDeadlineSeconds "
+            f"({spec.rollout.progress_deadline_s}s); the serving pair keeps serving: {stalled}",
+        )
     elif creds:
         degraded = Condition(DEGRADED, True, creds[0].reason, "; ".join(p.message for p in creds))
     elif stale:
@@ -232,13 +260,18 @@ def _conditions(
     return [ready, progressing, degraded, _integrity(spec, rates)]
 
 
-def _stage_message(spec: Spec, stage: str) -> str:
-    return {
-        "DrainPrefill": f"KV handoff changes to {spec.handoff}: the prefill pool drains before the decode pool "
-        "rolls, so no prefill pod hands pages to a decode pod expecting another format",
-        "RollDecode": f"KV handoff changes to {spec.handoff}: the decode pool rolls while prefill is drained",
-        "RestorePrefill": f"KV handoff changes to {spec.handoff}: the decode pool rolled, prefill comes back",
-    }.get(stage, stage)
+def _rollout_status(spec: Spec, out: Outcome, status: Obj, now: dt.datetime) -> Obj:
+    """``status.rollout``: the handoff, the format generation, and during a format change its
+    stage and the time of the last Service shift (which paces the next step)."""
+    rollout_status: Obj = {"handoff": spec.handoff, "generation": children.formats_generation(spec)}
+    if out.stage:
+        rollout_status["stage"] = out.stage
+        previous = (status.get("rollout") or {}).get("shiftedAt")
+        if out.plan is not None and out.plan.shifted:
+            rollout_status["shiftedAt"] = format_time(now)
+        elif previous and out.stage in ("ShiftTraffic", "RemoveOldPair"):
+            rollout_status["shiftedAt"] = previous
+    return rollout_status
 
 
 def _integrity(spec: Spec, rates: dict[str, float]) -> Condition:
@@ -309,7 +342,7 @@ async def reconcile(
             for role in ("prefill", "decode", "router")
         }
     else:
-        deps = await _converge(kube, meta, spec, cfg, out)
+        deps = await _converge(kube, meta, spec, cfg, status, now, out)
     for key, action in out.actions.items():
         emit("Normal", action.capitalize(), f"{key} {action}")
         log.info("child %s %s", key, action, extra={"modeldeployment": f"{ns}/{name}", "child": key})
@@ -357,7 +390,7 @@ async def reconcile(
         "integrityWindow": {"startTime": snapshot["startTime"], "agents": len(snapshot["counters"])},
         "agents": agent_entries(agents, cfg.status_max_agents),
         "agentsTotal": len(agents.fresh) + len(agents.stale),
-        "rollout": {"handoff": spec.handoff, "stage": out.stage} if out.stage else {"handoff": spec.handoff},
+        "rollout": _rollout_status(spec, out, status, now),
     }
     if meta.get("generation") is not None:
         owned["observedGeneration"] = meta["generation"]

@@ -1,4 +1,5 @@
-"""End to end on a kind cluster: build images, install the chart, apply the example, wait for Ready.
+"""End to end on a kind cluster: build images, install the chart, apply the example, wait for Ready,
+scale decode without restarting any pod, and stop a pod gracefully (out of the endpoints first).
 
 Runs only where a Docker engine, kind, kubectl and helm are available; skipped (with the
 missing piece named) elsewhere.
@@ -83,3 +84,104 @@ def test_chart_install_and_example_becomes_ready(kind_cluster: str) -> None:
     assert status == "True", run("kubectl", "--context", context, "describe", "md", "smollm")
     columns = run("kubectl", "--context", context, "get", "md")
     assert "DECODE FORMATS" in columns and "int4/fp8_e4m3" in columns
+    scale_restarts_nothing(context)
+    a_deleted_pod_drains(context)
+
+
+def pods(context: str) -> dict[str, dict]:
+    out = run(
+        "kubectl",
+        "--context",
+        context,
+        "get",
+        "pods",
+        "-l",
+        "pagoda.dev/model-deployment=smollm",
+        "-o",
+        "json",
+    )
+    return {p["metadata"]["name"]: p for p in json.loads(out)["items"]}
+
+
+def wait_ready(context: str, pool: str, n: int, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready = [
+            p
+            for p in pods(context).values()
+            if p["metadata"]["labels"].get("pagoda.dev/pool") == pool
+            and not p["metadata"].get("deletionTimestamp")
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        ]
+        if len(ready) == n:
+            return
+        time.sleep(3)
+    raise AssertionError(f"{pool} did not reach {n} ready pods")
+
+
+def scale_restarts_nothing(context: str) -> None:
+    """Scaling decode adds a pod and restarts none: same pod uids, same restart counts."""
+    before = {
+        name: (p["metadata"]["uid"], p["status"]["containerStatuses"][0]["restartCount"])
+        for name, p in pods(context).items()
+    }
+    run(
+        "kubectl",
+        "--context",
+        context,
+        "patch",
+        "md",
+        "smollm",
+        "--type",
+        "merge",
+        "-p",
+        '{"spec":{"decode":{"replicas":2}}}',
+    )
+    wait_ready(context, "decode", 2)
+    after = pods(context)
+    for name, (uid, restarts) in before.items():
+        assert name in after, f"{name} was replaced by the scale"
+        assert after[name]["metadata"]["uid"] == uid
+        assert after[name]["status"]["containerStatuses"][0]["restartCount"] == restarts
+
+
+def a_deleted_pod_drains(context: str) -> None:
+    """A deleted decode pod leaves the headless Service's endpoints while it still runs (preStop),
+    then exits within its grace period, and the Deployment replaces it."""
+    victim = next(
+        n for n, p in pods(context).items() if p["metadata"]["labels"]["pagoda.dev/pool"] == "decode"
+    )
+    grace = pods(context)[victim]["spec"]["terminationGracePeriodSeconds"]
+    ip = pods(context)[victim]["status"]["podIP"]
+    run("kubectl", "--context", context, "delete", "pod", victim, "--wait=false")
+    seen_out_of_endpoints = False
+    deadline = time.monotonic() + grace + 60
+    while time.monotonic() < deadline:
+        live = pods(context).get(victim)
+        if live is None:
+            break
+        slices = json.loads(
+            run(
+                "kubectl",
+                "--context",
+                context,
+                "get",
+                "endpointslices",
+                "-o",
+                "json",
+                "-l",
+                "kubernetes.io/service-name=smollm-decode-pods",
+            )  # fmt: skip
+        )["items"]
+        ready_ips = {
+            a
+            for sl in slices
+            for e in sl.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready")
+            for a in e["addresses"]
+        }
+        seen_out_of_endpoints |= ip not in ready_ips
+        time.sleep(1)
+    assert pods(context).get(victim) is None, "the pod did not exit within its grace period"
+    assert seen_out_of_endpoints, "the terminating pod stayed in the per-pod DNS endpoints"
+    wait_ready(context, "decode", 2)

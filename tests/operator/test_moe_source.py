@@ -11,7 +11,7 @@ from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
 
 META = {"name": "moe", "namespace": "ns", "uid": "u-2"}
-CFG = Config(fp8_node_label="example.com/gpu", fp8_products=("H100", "H200"))
+CFG = Config(fp8_placement="label", fp8_node_label="example.com/gpu")
 
 
 def test_hf_dir_moe_model_passes_spec_checks_and_builds_children() -> None:

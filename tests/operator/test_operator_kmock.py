@@ -27,10 +27,13 @@ from op_cluster import (
 )
 from op_schema import CHART, admit, example
 
+from pagoda.operator.children import generation_of
+
 NS = "default"
 MD = MD_PATH.format(ns=NS) + "/smollm"
 DEPS = DEP_PATH.format(ns=NS)
 CPU = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
+GENERATION = generation_of(("fp8", "bf16", "int4", "fp8_e4m3"))  # the default formats
 
 
 def create_md(cluster: Cluster, body: dict) -> dict:
@@ -184,6 +187,7 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         assert headless["spec"]["selector"] == {
             "pagoda.dev/model-deployment": "smollm",
             "pagoda.dev/pool": role,
+            "pagoda.dev/formats": GENERATION,  # the serving format generation
         }
     for role, dep in (("prefill", prefill), ("decode", decode), ("router", router)):
         pdb = cluster.get(f"{PDB_PATH.format(ns=NS)}/smollm-{role}")
@@ -198,7 +202,12 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
 
     for role in ("prefill", "decode", "router"):
         svc = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{role}")
-        assert svc["spec"]["selector"] == {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": role}
+        generation = {"pagoda.dev/formats": GENERATION} if role != "router" else {}
+        assert svc["spec"]["selector"] == {
+            "pagoda.dev/model-deployment": "smollm",
+            "pagoda.dev/pool": role,
+            **generation,
+        }
         assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     for dep in (prefill, decode):
         assert dep["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "bf16->fp8_e4m3"
@@ -231,13 +240,13 @@ def test_update_rolls_out_and_rerun_changes_nothing(cluster: Cluster) -> None:
     cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
     update_spec(
         cluster,
-        {"decode": {"gpus": 0, "replicas": 3, "weightFormat": "bf16"}, "integrity": {"mode": "audit"}},
-    )
+        {"decode": {"gpus": 0, "replicas": 3, "maxConcurrency": 128}, "integrity": {"mode": "audit"}},
+    )  # no format change: rolled in place (a format change is blue/green, tested below)
     decode = cluster.wait_for(
         lambda: (d := deployment(cluster, "decode")) and d["spec"]["replicas"] == 3 and d,
         what="decode scaled",
     )
-    assert flag(decode, "--decode-weights") == "bf16" and flag(decode, "--integrity") == "audit"
+    assert flag(decode, "--max-num-seqs") == "128" and flag(decode, "--integrity") == "audit"
     prefill = cluster.wait_for(
         lambda: (d := deployment(cluster, "prefill")) and flag(d, "--integrity") == "audit" and d
     )
@@ -432,44 +441,97 @@ def test_kv_integrity_degraded_above_threshold_over_window(cluster: Cluster) -> 
     assert condition(md, "KVIntegrityDegraded")["reason"] == "WithinThreshold"
 
 
-def test_kv_handoff_change_rolls_in_a_safe_order(cluster: Cluster) -> None:
+def set_ready_named(cluster: Cluster, name: str, replicas: int, **extra: object) -> None:
+    status = {"replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas, **extra}
+    cluster.patch(f"{DEPS}/{name}/status", {"status": status})
+
+
+def selects(cluster: Cluster, pool: str) -> str | None:
+    """The format generation the pool's ClusterIP Service selects (its headless twin must agree)."""
+    svc = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{pool}")["spec"]["selector"]
+    headless = cluster.get(f"{SVC_PATH.format(ns=NS)}/smollm-{pool}-pods")["spec"]["selector"]
+    assert svc == headless
+    return svc.get("pagoda.dev/formats")
+
+
+NEW_GENERATION = generation_of(("fp8", "fp8_e4m3", "int4", "fp8_e4m3"))
+
+
+@pytest.mark.slow  # about 20 s: the whole blue/green sequence on the operator's timer
+def test_a_kv_format_change_brings_up_the_new_pair_before_removing_the_old(cluster: Cluster) -> None:
     create_md(cluster, example(**CPU))
     cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
     for role in ("prefill", "decode", "router"):
         set_ready(cluster, role, 1)
+    settled(cluster)
+    blue = {
+        p: len(cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{p}"].history)
+        for p in ("prefill", "decode")
+    }
     update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "fp8_e4m3"}})
 
-    # 1. prefill drains first, still on its old template; decode is untouched.
-    prefill = cluster.wait_for(
-        lambda: (d := deployment(cluster, "prefill")) and d["spec"]["replicas"] == 0 and d, what="drain"
+    # 1. The new pair starts beside the serving one, which is left as it is and keeps the traffic.
+    green = cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="green decode")
+    green_prefill = cluster.wait_for(
+        lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill"
     )
-    assert flag(prefill, "--prefill-kv") == "bf16"
-    assert flag(deployment(cluster, "decode"), "--prefill-kv") == "bf16"
+    assert flag(green_prefill, "--prefill-kv") == "fp8_e4m3" and flag(green, "--prefill-kv") == "fp8_e4m3"
+    assert green["spec"]["template"]["metadata"]["labels"]["pagoda.dev/formats"] == NEW_GENERATION
+    assert green["spec"]["selector"]["matchLabels"]["pagoda.dev/slot"] == "green"
     md = cluster.wait_for(
-        lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "DrainPrefill" and m
+        lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "StartNewPair" and m,
+        what="StartNewPair",
     )
-    assert "drains before the decode pool" in condition(md, "Progressing")["message"]
+    assert condition(md, "Ready")["status"] == "True"  # the serving pair is still serving
     time.sleep(1)
-    assert flag(deployment(cluster, "decode"), "--prefill-kv") == "bf16"  # still waiting for the drain
+    for pool in ("prefill", "decode"):
+        live = deployment(cluster, pool)
+        assert live["spec"]["replicas"] == 1 and flag(live, "--prefill-kv") == "bf16"
+        assert selects(cluster, pool) == GENERATION
 
-    # 2. prefill pods are gone -> decode rolls; prefill stays at zero while old decode pods remain.
-    set_ready(cluster, "prefill", 0)
-    decode = cluster.wait_for(
-        lambda: (d := deployment(cluster, "decode")) and flag(d, "--prefill-kv") == "fp8_e4m3" and d,
-        what="decode rolled",
+    # 2. Both new pools ready: decode moves first (old bf16 prefill -> new fp8 decode is allowed),
+    #    then prefill; the old pair is removed after that, and was never written to.
+    set_ready_named(cluster, "smollm-prefill-green", 1)
+    set_ready_named(cluster, "smollm-decode-green", 1)
+    cluster.wait_for(lambda: selects(cluster, "decode") == NEW_GENERATION, what="decode shifted")
+    cluster.wait_for(lambda: selects(cluster, "prefill") == NEW_GENERATION, what="prefill shifted")
+    for pool in ("prefill", "decode"):
+        history = cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{pool}"].history
+        assert len(history) == blue[pool]  # not patched, never scaled to 0, during the whole change
+        assert all(v["spec"]["replicas"] == 1 for v in history)
+    cluster.wait_for(lambda: deployment(cluster, "prefill") is None, what="old prefill removed")
+    cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="old decode removed")
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "RolloutComplete" and m,
+        what="rollout complete",
     )
-    assert decode["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "fp8_e4m3->fp8_e4m3"
-    set_ready(cluster, "decode", 1, updated=1, total=2)  # one old decode pod still running
-    time.sleep(1.5)
-    assert deployment(cluster, "prefill")["spec"]["replicas"] == 0
+    assert md["status"]["rollout"] == {"handoff": "fp8_e4m3->fp8_e4m3", "generation": NEW_GENERATION}
+    assert md["status"]["prefill"]["ready"] == "1/1"  # the green pair serves
 
-    # 3. only new decode pods -> prefill comes back with the new format.
-    set_ready(cluster, "decode", 1)
-    prefill = cluster.wait_for(
-        lambda: (d := deployment(cluster, "prefill")) and d["spec"]["replicas"] == 1 and d,
-        what="prefill restored",
+
+def test_a_stalled_new_pair_is_degraded_and_the_old_pair_keeps_serving(cluster: Cluster) -> None:
+    create_md(cluster, example(**CPU))
+    cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
+    for role in ("prefill", "decode", "router"):
+        set_ready(cluster, role, 1)
+    update_spec(cluster, {"decode": {"gpus": 0, "weightFormat": "bf16"}})  # a weight format change too
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="green decode")
+    stuck = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "smollm-decode-green-7d9" has timed out progressing.',
+    }
+    set_ready_named(cluster, "smollm-prefill-green", 1)
+    set_ready_named(cluster, "smollm-decode-green", 0, conditions=[stuck])
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and condition(m, "Degraded")["reason"] == "NewPairStalled" and m,
+        what="NewPairStalled",
     )
-    assert flag(prefill, "--prefill-kv") == "fp8_e4m3"
+    assert "has timed out progressing" in condition(md, "Degraded")["message"]
+    assert condition(md, "Ready")["status"] == "True"
+    for pool in ("prefill", "decode"):
+        assert selects(cluster, pool) == GENERATION and deployment(cluster, pool)["spec"]["replicas"] == 1
 
 
 def test_spec_the_operator_rejects_gets_a_condition_and_no_children(cluster: Cluster) -> None:

@@ -112,7 +112,11 @@ def test_render_shows_autoscaler_budgets_and_headless_services_all_schema_valid(
     }
     for pool in ("prefill", "decode"):
         svc = objs[f"Service/m-{pool}-pods"]["spec"]
-        assert svc["clusterIP"] == "None" and svc["selector"] == children.selector("m", pool)
+        generation = {"pagoda.dev/formats": children.formats_generation(parse(admit(example("m"))["spec"]))}
+        assert svc["clusterIP"] == "None" and svc["selector"] == {
+            **children.selector("m", pool),
+            **generation,
+        }
         assert objs[f"Service/m-{pool}"]["spec"]["type"] == "ClusterIP"  # kept for other users
     for obj in objs.values():
         kubernetes_validate.validate(obj, "1.33", strict=True)

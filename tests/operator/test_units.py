@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 
 from pagoda.agent_report import AgentReport
-from pagoda.operator import apply, formats, rollout
+from pagoda.operator import apply, formats
 from pagoda.operator.spec import parse
 from pagoda.operator.status import pool_figures, window
 
@@ -32,51 +32,6 @@ def test_format_check_explains_each_problem() -> None:
     assert reasons == {"UnsupportedFormat", "IncompatibleHandoff"}
     assert formats.check(spec(decode={"weightFormat": "nf4"}))[0].reason == "UnknownFormat"
     assert formats.check(spec(decode={"gpus": 1, "tensorParallel": 2}))[0].reason == "InvalidParallelism"
-
-
-def dep(handoff: str, want: int = 1, **status: int) -> dict:
-    """A live Deployment: template handoff, spec.replicas and status counters."""
-    return {
-        "spec": {
-            "replicas": want,
-            "template": {"metadata": {"annotations": {"pagoda.dev/handoff": handoff}}},
-        },
-        "status": status,
-    }
-
-
-@pytest.mark.parametrize(
-    ("prefill", "decode", "expected"),
-    [
-        (None, None, (rollout.APPLY, rollout.APPLY, None)),
-        (dep("a->b"), dep("a->b"), (rollout.APPLY, rollout.APPLY, None)),
-        (dep("x->b", 2), dep("x->b"), (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
-        (dep("x->b", 0, replicas=1), dep("x->b"), (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
-        (dep("x->b", 0), dep("x->b"), (rollout.DRAIN, rollout.APPLY, "RollDecode")),
-        (
-            dep("x->b", 0),
-            dep("a->b", replicas=2, updatedReplicas=1),
-            (rollout.DRAIN, rollout.APPLY, "RollDecode"),
-        ),
-        (
-            dep("x->b", 0),
-            dep("a->b", replicas=1, updatedReplicas=1),
-            (rollout.APPLY, rollout.APPLY, "RestorePrefill"),
-        ),
-        (None, dep("a->b"), (rollout.APPLY, rollout.APPLY, "RestorePrefill")),
-        (dep("a->b"), None, (rollout.APPLY, rollout.APPLY, None)),
-        (dep("x->b"), None, (rollout.DRAIN, rollout.HOLD, "DrainPrefill")),
-    ],
-)
-def test_rollout_plan(prefill: dict | None, decode: dict | None, expected: tuple) -> None:
-    plan = rollout.plan("a->b", prefill, decode)
-    assert (plan.prefill, plan.decode, plan.stage) == expected
-
-
-def test_decode_with_a_stale_observed_generation_is_not_rolled() -> None:
-    decode = dep("a->b", replicas=1, updatedReplicas=1, observedGeneration=3)
-    decode["metadata"] = {"generation": 4}
-    assert rollout.plan("a->b", dep("x->b", 0), decode).stage == "RollDecode"
 
 
 def stamp(age_s: float) -> str:
