@@ -43,6 +43,19 @@ def amax_scale(amax: Tensor, headroom: float = 1.0) -> Tensor:
     return (amax.float() * headroom / FP8_MAX).clamp_(min=SCALE_FLOOR)
 
 
+# Dynamic per-token scales (one per token and head) are stored in bfloat16: the page pays 2 bytes per
+# token and head. Quantizing with the stored (rounded) value keeps the round trip exact.
+TOKEN_SCALE_DTYPE = torch.bfloat16
+
+
+def token_scales(x: Tensor) -> Tensor:
+    """Dynamic scales of ``x [..., H, D]`` per token and head: ``amax / 448`` over D, rounded to the
+    nearest bfloat16 (``[..., H]``). The token's largest value then lands within 2**-9 of 448 and
+    quantizes to 448 (clamped when just above): the outlier that dominates q.k is kept almost
+    exactly, which is what per-token scales buy over static ones in e4m3 (a float format)."""
+    return amax_scale(x.detach().abs().amax(dim=-1)).to(TOKEN_SCALE_DTYPE)
+
+
 def quantize_fp8_weight(w: Tensor) -> tuple[Tensor, Tensor]:
     """Per-output-channel FP8: ``w [N, K]`` -> (``w_fp8 [N, K]``, ``scale [N]`` float32)."""
     if w.dim() != 2:

@@ -1,8 +1,15 @@
 """Paged KV cache ops: write, decode/prefill attention, page conversion, FP8 scale calibration.
 
 Layout per layer: ``k_cache``/``v_cache`` [num_pages, page_size, num_kv_heads, head_dim] in
-float32, bfloat16 or float8_e4m3fn. FP8 caches carry static float32 scales per KV head
-(``k_scale``/``v_scale`` [num_kv_heads]; dequant ``q.float() * scale[h]``).
+float32, bfloat16 or float8_e4m3fn. An FP8 cache has a scale tensor (``k_scale``/``v_scale``) of
+one of two kinds, told apart by its rank:
+
+* static: float32 ``[num_kv_heads]``, fixed by calibration (per head; per tensor = one value
+  repeated); dequant ``q.float() * scale[h]``;
+* per token ("page scales"): bfloat16 ``[num_pages, page_size, num_kv_heads]`` beside the pages,
+  written together with them from each token's own amax (``write_kv``, ``convert_pages``);
+  dequant ``q.float() * scale[page, slot, h]``.
+
 A slot is ``page * page_size + offset``; negative slots in ``write_kv`` are skipped (padding).
 A sequence with ``context_len == 0`` produces zeros.
 """
@@ -19,16 +26,23 @@ from .dispatch import resolve
 from .fp8_format import (
     FP8_BF16_BIAS,
     FP8_DTYPE,
+    TOKEN_SCALE_DTYPE,
     amax_scale,
     fp8_to_float_scaled_down,
     quantize_fp8,
     raw_bytes,
+    token_scales,
 )
 
 KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE)
 # Measured on SmolLM2-135M K/V (calibrate on one text, serve another): headroom 1.0 clips ~0.1% of
 # values and raises the error to 2.8-3.4%; 1.5 clips none at 2.6% (see docs/kernels.md).
 RECOMMENDED_KV_HEADROOM = 1.5
+
+
+def is_page_scale(scale: Tensor | None) -> bool:
+    """True for per-token page scales ``[num_pages, page_size, heads]`` (False: static or none)."""
+    return scale is not None and scale.dim() == 3
 
 
 def _check_cache(cache: Tensor, scale: Tensor | None, name: str) -> None:
@@ -38,21 +52,37 @@ def _check_cache(cache: Tensor, scale: Tensor | None, name: str) -> None:
         )
     if cache.dtype not in KV_DTYPES:
         raise ValueError(f"{name} dtype {cache.dtype} not in {KV_DTYPES}")
-    if cache.dtype == FP8_DTYPE and scale is None:
-        raise ValueError(f"{name} is float8_e4m3fn and needs a per-head scale")
+    if cache.dtype != FP8_DTYPE:
+        return
+    if scale is None:
+        raise ValueError(f"{name} is float8_e4m3fn and needs a scale")
+    if is_page_scale(scale):
+        if scale.shape != cache.shape[:3] or scale.dtype != TOKEN_SCALE_DTYPE:
+            raise ValueError(
+                f"{name} page scales must be {TOKEN_SCALE_DTYPE} {tuple(cache.shape[:3])}, "
+                f"got {scale.dtype} {tuple(scale.shape)}"
+            )
+    elif tuple(scale.shape) != (cache.shape[2],):
+        raise ValueError(f"{name} static scales must be [{cache.shape[2]}], got {tuple(scale.shape)}")
 
 
-def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> Tensor:
-    """Values [..., H, D] -> cache dtype (quantizing with per-head scales for fp8)."""
-    if dtype == FP8_DTYPE:
-        return quantize_fp8(x, scale.float()[:, None])
-    return x.to(dtype)
+def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Values [..., H, D] -> (cache dtype values, their per-token scales [..., H] or None).
+
+    fp8 with a static ``scale`` [H] quantizes with it; fp8 with page scales (``is_page_scale``)
+    computes each token's own scales, which the caller stores beside the values."""
+    if dtype != FP8_DTYPE:
+        return x.to(dtype), None
+    if is_page_scale(scale):
+        s = token_scales(x)
+        return quantize_fp8(x, s.float()[..., None]), s
+    return quantize_fp8(x, scale.float()[:, None]), None
 
 
 def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
-    """Cache values [..., H, D] -> float32."""
+    """Cache values [..., H, D] -> float32; ``scale`` is static [H] or the values' own rows [..., H]."""
     if x.dtype == FP8_DTYPE:
-        return x.float() * scale.float()[:, None]
+        return x.float() * scale.float()[..., None]
     return x.float()
 
 
@@ -86,7 +116,10 @@ def _write_reference(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | No
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
-        raw[slot // page_size, slot % page_size] = raw_bytes(_encode(x[t], cache.dtype, scale))
+        vals, s = _encode(x[t], cache.dtype, scale)
+        raw[slot // page_size, slot % page_size] = raw_bytes(vals)
+        if s is not None:
+            scale[slot // page_size, slot % page_size] = s
 
 
 def _write_vectorized(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | None) -> None:
@@ -95,7 +128,10 @@ def _write_vectorized(cache: Tensor, x: Tensor, slots: Tensor, scale: Tensor | N
     if not bool(keep.all()):
         slots, x = slots[keep], x[keep]
     flat = raw_bytes(cache).view(-1, cache.shape[2], cache.shape[3])
-    flat[slots] = raw_bytes(_encode(x, cache.dtype, scale))
+    vals, s = _encode(x, cache.dtype, scale)
+    flat[slots] = raw_bytes(vals)
+    if s is not None:
+        scale.view(-1, cache.shape[2])[slots] = s
 
 
 # ------------------------------------------------------------------------------------- decode
@@ -135,7 +171,10 @@ def paged_decode_attention(
 
 def _gather_seq(cache: Tensor, pages: Tensor, length: int, scale: Tensor | None) -> Tensor:
     """One sequence's first ``length`` tokens -> float32 [length, H, D]."""
-    x = cache[pages.long()].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    pages = pages.long()
+    x = cache[pages].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    if is_page_scale(scale):
+        scale = scale[pages].reshape(-1, cache.shape[2])[:length]
     return _decode(x, scale)
 
 
@@ -202,17 +241,28 @@ def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) ->
         x = fp8_to_float_scaled_down(x) if cache.dtype == FP8_DTYPE else x.float()
         return x.view(bsz, span, hkv, d).transpose(1, 2)
 
-    # fp8 per-head scales (and the 2**120 of the fast decode) fold into q (K) and the output (V).
+    def token_rows(s: Tensor) -> Tensor:  # page scales -> float32 [B, Hkv, 1, span]
+        return s.index_select(0, flat).view(bsz, span, hkv).transpose(1, 2).float().unsqueeze(2)
+
+    # fp8 static scales (and the 2**120 of the fast decode) fold into q (K) and the output (V);
+    # per-token K scales multiply the scores, per-token V scales the probabilities (D/G x fewer
+    # values than the pages they scale).
     qf = q.float().view(bsz, hkv, group, d) * scale
+    k_tok = k_cache.dtype == FP8_DTYPE and is_page_scale(k_scale)
+    v_tok = v_cache.dtype == FP8_DTYPE and is_page_scale(v_scale)
     if k_cache.dtype == FP8_DTYPE:
-        qf = qf * (k_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1)
+        qf = qf * (FP8_BF16_BIAS if k_tok else (k_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1))
     scores = torch.matmul(qf, gather(k_cache).transpose(-1, -2))  # [B, Hkv, G, span]
+    if k_tok:
+        scores.mul_(token_rows(k_scale))
     valid = torch.arange(span, device=q.device)[None, :] < lens[:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # empty sequences -> zeros
+    if v_tok:
+        probs.mul_(token_rows(v_scale))
     out = torch.matmul(probs, gather(v_cache))  # [B, Hkv, G, D]
     if v_cache.dtype == FP8_DTYPE:
-        out = out * (v_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1)
+        out = out * (FP8_BF16_BIAS if v_tok else (v_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1))
     return out.reshape(bsz, hq, d).to(q.dtype)
 
 
@@ -299,7 +349,8 @@ def convert_pages(
     src_v_scale: Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    """Copy whole K and V pages between pools (bf16 -> fp8 quantizes with the destination scales)."""
+    """Copy whole K and V pages between pools (bf16 -> fp8 quantizes with the destination scales;
+    destination page scales are filled from each token's amax)."""
     for cache, scale, name in (
         (src_k, src_k_scale, "src_k"),
         (src_v, src_v_scale, "src_v"),
@@ -327,7 +378,8 @@ def convert_component_pages(
 ) -> None:
     """Copy whole pages of one cache component (K, V, an MLA latent or rope key: any
     ``[num_pages, page_size, heads, dim]`` page tensor) between pools, converting the format
-    (bf16 -> fp8 quantizes with the destination's per-head scales)."""
+    (bf16 -> fp8 quantizes with the destination's static scales, or per token into its page
+    scales). Page scales travel with their pages: source rows ``src_pages`` go to ``dst_pages``."""
     _check_cache(src, src_scale, "source pages")
     _check_cache(dst, dst_scale, "destination pages")
     if src.shape[1:] != dst.shape[1:]:
@@ -340,17 +392,38 @@ def convert_component_pages(
     be = resolve("convert_pages", src.device, backend, supports=("cpu", "reference"))
     if be == "reference":
         for sp, dp in zip(src_pages.tolist(), dst_pages.tolist(), strict=True):
-            raw_bytes(dst)[dp] = raw_bytes(_convert(src[sp], dst.dtype, src_scale, dst_scale))
+            _store(dst, dst_scale, dp, *_convert(src[sp], dst.dtype, _rows(src_scale, sp), dst_scale))
     else:
-        vals = _convert(src[src_pages.long()], dst.dtype, src_scale, dst_scale)
-        raw_bytes(dst)[dst_pages.long()] = raw_bytes(vals)
+        sp, dp = src_pages.long(), dst_pages.long()
+        _store(dst, dst_scale, dp, *_convert(src[sp], dst.dtype, _rows(src_scale, sp), dst_scale))
 
 
-def _convert(x: Tensor, dtype: torch.dtype, s_scale: Tensor | None, d_scale: Tensor | None) -> Tensor:
-    same_fp8 = x.dtype == dtype == FP8_DTYPE and s_scale is not None and torch.equal(s_scale, d_scale)
-    if x.dtype == dtype and (dtype != FP8_DTYPE or same_fp8):
-        return x
-    return _encode(_decode(x, s_scale), dtype, d_scale)
+def _rows(scale: Tensor | None, pages: Tensor | int) -> Tensor | None:
+    """The scales that go with source pages ``pages``: their page-scale rows, or the static scales."""
+    return scale[pages] if is_page_scale(scale) else scale
+
+
+def _store(
+    dst: Tensor, dst_scale: Tensor | None, pages: Tensor | int, vals: Tensor, s: Tensor | None
+) -> None:
+    raw_bytes(dst)[pages] = raw_bytes(vals)
+    if s is not None:
+        dst_scale[pages] = s
+
+
+def _convert(
+    x: Tensor, dtype: torch.dtype, s_rows: Tensor | None, d_scale: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """Pages ``x`` with their scales -> (pages in ``dtype``, their page scales or None). fp8 pages
+    keep their bytes when both sides use page scales (the rows move along) or equal static scales."""
+    if x.dtype == dtype != FP8_DTYPE:
+        return x, None
+    if x.dtype == dtype == FP8_DTYPE:
+        if is_page_scale(d_scale) and s_rows.dim() == x.dim() - 1:
+            return x, s_rows
+        if not is_page_scale(d_scale) and s_rows.dim() == 1 and torch.equal(s_rows, d_scale):
+            return x, None
+    return _encode(_decode(x, s_rows), dtype, d_scale)
 
 
 # ------------------------------------------------------------------------------ calibration
@@ -371,3 +444,16 @@ def calibrate_head_scales(x: Tensor, headroom: float = 1.0) -> Tensor:
     if headroom <= 0:
         raise ValueError(f"headroom must be positive, got {headroom}")
     return amax_scale(x.abs().amax(dim=(0, 2)), headroom)
+
+
+def calibrate_tensor_scales(x: Tensor, headroom: float = 1.0) -> Tensor:
+    """One FP8 scale for all heads of a cache component (per-tensor granularity), repeated per head
+    so it runs on the per-head paths: calibration values [T, heads, dim] -> [heads]."""
+    if headroom <= 0:
+        raise ValueError(f"headroom must be positive, got {headroom}")
+    return amax_scale(x.abs().amax(), headroom).expand(x.shape[1]).contiguous()
+
+
+def empty_page_scales(num_pages: int, page_size: int, heads: int, device: torch.device | str) -> Tensor:
+    """Zeroed per-token scales for a pool of ``num_pages`` fp8 pages (filled as pages are written)."""
+    return torch.zeros(num_pages, page_size, heads, dtype=TOKEN_SCALE_DTYPE, device=device)

@@ -2,7 +2,8 @@
 
 Grid: (sequence, KV head, context split). Each program loads the query heads that share its KV
 head (GQA) as one [BLOCK_G, D] tile, walks its share of the sequence's pages one page at a time
-(K/V dequantized in-kernel: fp8 bytes are bitcast to e4m3 and scaled per head), keeps a running
+(K/V dequantized in-kernel: fp8 bytes are bitcast to e4m3; static per-head scales fold into q and
+the output, per-token page scales multiply the scores (K) or the probabilities (V)), keeps a running
 max / sum / weighted V in float32, and writes unnormalized partials. The wrapper merges the
 splits (log-sum-exp) - with one split this is exactly a single online-softmax pass.
 """
@@ -18,6 +19,21 @@ from .fp8_format import FP8_DTYPE, raw_bytes
 from .triton_common import target_programs
 
 
+def _scale_args(
+    kv_fp8: bool, k_scale: Tensor | None, v_scale: Tensor | None, hkv: int, device: torch.device
+) -> tuple[Tensor, Tensor, bool, bool]:
+    """The kernels' scale operands: static float32 [Hkv] (ones for unscaled pages) or contiguous
+    per-token page scales [P, page_size, Hkv] (bfloat16, read per key), and which is which."""
+    ones = torch.ones(hkv, dtype=torch.float32, device=device)
+    out: list[Tensor] = []
+    tok: list[bool] = []
+    for s in (k_scale, v_scale):
+        per_token = kv_fp8 and s.dim() == 3
+        out.append(s.contiguous() if per_token else (s if kv_fp8 else ones).float().contiguous())
+        tok.append(per_token)
+    return out[0], out[1], tok[0], tok[1]
+
+
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,
@@ -31,6 +47,8 @@ def _paged_decode_kernel(
     ml_ptr,
     scale,
     pages_per_split,
+    stride_sp,
+    stride_st,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -53,6 +71,8 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     KV_FP8: tl.constexpr,
+    K_TOK: tl.constexpr,
+    V_TOK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -65,7 +85,7 @@ def _paged_decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q_rows = q_ptr + b * stride_qb + (h * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
-    if KV_FP8:
+    if KV_FP8 and not K_TOK:
         q = q * tl.load(k_scale_ptr + h)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -87,14 +107,20 @@ def _paged_decode_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_G, BLOCK_T]
+        tok_s = page * stride_sp + offs_t * stride_st + h
+        if K_TOK:
+            s = s * tl.load(k_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        pv = p
+        if V_TOK:
+            pv = p * tl.load(v_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         m_i = m_new
-    if KV_FP8:
+    if KV_FP8 and not V_TOK:
         acc = acc * tl.load(v_scale_ptr + h)  # V's per-head scale, applied once per split
     a_rows = acc_ptr + b * stride_ab + h * stride_ah + split * stride_as
     tl.store(a_rows + offs_g[:, None] * BLOCK_D + offs_d[None, :], acc)
@@ -135,7 +161,7 @@ def paged_decode_attention_triton(
     acc = torch.empty(bsz, hkv, num_splits, block_g, block_d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hkv, num_splits, block_g, 2, dtype=torch.float32, device=q.device)
     kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
-    ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
+    ks, vs, k_tok, v_tok = _scale_args(kv_fp8, k_scale, v_scale, hkv, q.device)
     tables = block_tables.to(torch.int32)
     _paged_decode_kernel[(bsz, hkv, num_splits)](
         q,
@@ -143,12 +169,14 @@ def paged_decode_attention_triton(
         vc,
         tables,
         context_lens.to(torch.int32).contiguous(),
-        (k_scale if kv_fp8 else ones).float().contiguous(),
-        (v_scale if kv_fp8 else ones).float().contiguous(),
+        ks,
+        vs,
         acc,
         ml,
         float(scale),
         pages_per_split,
+        page_size * hkv,
+        hkv,
         q.stride(0),
         q.stride(1),
         kc.stride(0),
@@ -171,6 +199,8 @@ def paged_decode_attention_triton(
         BLOCK_D=block_d,
         BLOCK_T=block_t,
         KV_FP8=kv_fp8,
+        K_TOK=k_tok,
+        V_TOK=v_tok,
     )
     # Merge the splits: weight each by exp(m_s - max_s m_s).
     m, l_sum = ml[..., 0], ml[..., 1]  # [B, Hkv, S, G]
@@ -194,6 +224,8 @@ def _paged_prefill_kernel(
     v_scale_ptr,
     out_ptr,
     scale,
+    stride_sp,
+    stride_st,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -212,6 +244,8 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     KV_FP8: tl.constexpr,
+    K_TOK: tl.constexpr,
+    V_TOK: tl.constexpr,
 ):
     b = tl.program_id(0)
     qb = tl.program_id(1)
@@ -228,7 +262,7 @@ def _paged_prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q_rows = q_ptr + (q_start + offs_q)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
     q = tl.load(q_rows, mask=q_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32) * scale
-    if KV_FP8:
+    if KV_FP8 and not K_TOK:
         q = q * tl.load(k_scale_ptr + kvh)
     pos = prefix + offs_q  # absolute position of each query
     # Keys this block needs: up to its last query's position (none if the block is empty).
@@ -252,6 +286,9 @@ def _paged_prefill_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_Q, BLOCK_T]
+        tok_s = page * stride_sp + offs_t * stride_st + kvh
+        if K_TOK:
+            s = s * tl.load(k_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
         # Token 0 is visible to every query, so no row is all -inf after the first page.
         visible = t_mask[None, :] & (tok[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -259,10 +296,13 @@ def _paged_prefill_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        pv = p
+        if V_TOK:
+            pv = p * tl.load(v_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if KV_FP8:
+    if KV_FP8 and not V_TOK:
         out = out * tl.load(v_scale_ptr + kvh)
     o_rows = out_ptr + (q_start + offs_q)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_rows, out, mask=q_mask[:, None] & d_mask[None, :])
@@ -295,7 +335,7 @@ def paged_prefill_attention_triton(
     block_q = 16
     out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
     kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
-    ones = torch.ones(hkv, dtype=torch.float32, device=q.device)
+    ks, vs, k_tok, v_tok = _scale_args(kv_fp8, k_scale, v_scale, hkv, q.device)
     tables = block_tables.to(torch.int32)
     grid = (bsz, triton.cdiv(max(max_q_len, 1), block_q), hq)
     _paged_prefill_kernel[grid](
@@ -305,10 +345,12 @@ def paged_prefill_attention_triton(
         tables,
         cu_q_lens.to(torch.int32).contiguous(),
         context_lens.to(torch.int32).contiguous(),
-        (k_scale if kv_fp8 else ones).float().contiguous(),
-        (v_scale if kv_fp8 else ones).float().contiguous(),
+        ks,
+        vs,
         out,
         float(scale),
+        page_size * hkv,
+        hkv,
         q.stride(0),
         q.stride(1),
         kc.stride(0),
@@ -327,5 +369,7 @@ def paged_prefill_attention_triton(
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=max(16, triton.next_power_of_2(page_size)),
         KV_FP8=kv_fp8,
+        K_TOK=k_tok,
+        V_TOK=v_tok,
     )
     return out.to(q.dtype)

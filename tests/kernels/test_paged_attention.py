@@ -4,10 +4,13 @@ import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, KV_DTYPES, make_paged_kv, needs_triton
 
-from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX, TOKEN_SCALE_DTYPE, token_scales
 from pagoda.kernels.paged_attention import (
     calibrate_kv_scales,
+    calibrate_tensor_scales,
+    convert_component_pages,
     convert_pages,
+    empty_page_scales,
     paged_decode_attention,
     paged_prefill_attention,
     write_kv,
@@ -20,6 +23,33 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2
 
 def raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def paged_kv(lens, page_size, hkv, d, kv: str, seed: int = 0):
+    """``make_paged_kv`` for every KV kind: "fp8tok" has per-token K page scales (V static per
+    head, the engine's default), "fp8tok2" per-token scales for both (converted from fp32 pages by
+    the reference path, so the pages hold the same tokens as the other kinds)."""
+    if kv not in ("fp8tok", "fp8tok2"):
+        return make_paged_kv(lens, page_size, hkv, d, KV_DTYPES[kv], seed=seed)
+    pk = make_paged_kv(lens, page_size, hkv, d, torch.float32, seed=seed)
+    pages = torch.arange(pk.k_cache.shape[0])
+    ks = empty_page_scales(len(pages), page_size, hkv, "cpu")
+    vs = empty_page_scales(len(pages), page_size, hkv, "cpu") if kv == "fp8tok2" else None
+    if vs is None:
+        vs = calibrate_kv_scales(torch.cat(pk.keys), torch.cat(pk.values))[1]
+    k8, v8 = (torch.zeros(pk.k_cache.shape, dtype=FP8_DTYPE) for _ in range(2))
+    for src, dst, sc in ((pk.k_cache, k8, ks), (pk.v_cache, v8, vs)):
+        convert_component_pages(src.cpu(), dst, pages, pages, sc, backend="reference")
+    pk.k_cache, pk.v_cache, pk.k_scale, pk.v_scale = (
+        k8.to(DEVICE),
+        v8.to(DEVICE),
+        ks.to(DEVICE),
+        vs.to(DEVICE),
+    )
+    return pk
+
+
+KV_KINDS = ["fp32", "bf16", "fp8", "fp8tok", "fp8tok2"]
 
 
 def full_softmax_attention(q, keys, values, scale):
@@ -40,11 +70,11 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", KV_KINDS)
 @pytest.mark.parametrize("lens,hq,hkv", DECODE_CASES)
 def test_decode_matches_reference(backend, kv, lens, hq, hkv):
     d, ps = 16, 4
-    pk = make_paged_kv(lens, ps, hkv, d, KV_DTYPES[kv], seed=len(lens) + hq)
+    pk = paged_kv(lens, ps, hkv, d, kv, seed=len(lens) + hq)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     scale = 1 / math.sqrt(d)
     args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, scale, pk.k_scale, pk.v_scale)
@@ -110,13 +140,13 @@ PREFILL_CASES = [
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", KV_KINDS)
 @pytest.mark.parametrize("cases", PREFILL_CASES)
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2)])
 def test_prefill_matches_reference(backend, kv, cases, hq, hkv):
     d, ps = 16, 4
     lens = [c for c, _ in cases]
-    pk = make_paged_kv(lens, ps, hkv, d, KV_DTYPES[kv], seed=hq)
+    pk = paged_kv(lens, ps, hkv, d, kv, seed=hq)
     q_lens = [n for _, n in cases]
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(int(cu[-1]), hq, d, generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -212,12 +242,13 @@ def test_calibrate_kv_scales():
 
 
 @needs_triton
+@pytest.mark.parametrize("kv", ["fp8", "fp8tok"])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
-def test_triton_decode_context_splits(splits):
+def test_triton_decode_context_splits(splits, kv):
     """Every split count merges to the same result (including splits with no pages)."""
     from pagoda.kernels.triton_attention import paged_decode_attention_triton
 
-    pk = make_paged_kv([17, 1, 9], 4, 2, 16, FP8_DTYPE, seed=9)
+    pk = paged_kv([17, 1, 9], 4, 2, 16, kv, seed=9)
     q = torch.randn(3, 6, 16).to(DEVICE)
     args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25, pk.k_scale, pk.v_scale)
     ref = paged_decode_attention(q, *args, backend="reference")
@@ -245,3 +276,124 @@ def test_prefill_long_chunk_spans_query_blocks(backend):
     ref = paged_prefill_attention(q, *args, backend="reference")
     out = paged_prefill_attention(q, *args, backend=backend)
     torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+
+
+# ------------------------------------------------------------------ per-token (page) scales
+
+
+def test_token_scales_keep_each_tokens_largest_value():
+    x = torch.randn(5, 3, 16) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    x[2, 1] = 0.0  # an all-zero token head keeps a finite positive floor
+    s = token_scales(x)
+    assert s.shape == (5, 3) and s.dtype == TOKEN_SCALE_DTYPE
+    assert bool((s.float() > 0).all()) and bool(torch.isfinite(s.float()).all())
+    amax = x.abs().amax(-1)
+    ratio = amax / s.float()
+    assert bool((((ratio - FP8_MAX).abs() <= FP8_MAX * 2**-8) | (amax == 0)).all())  # at 448 (bf16 scale)
+    q = (x / s.float()[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * s.float()[..., None]
+    top = x.abs().argmax(-1, keepdim=True)
+    err = (q.gather(-1, top) - x.gather(-1, top)).abs() / x.gather(-1, top).abs().clamp(min=1e-30)
+    assert bool((err[amax > 0] <= 2**-8).all())  # the largest value survives almost exactly
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_write_kv_page_scales(backend):
+    """Per-token scales are written beside the pages; both backends write the same bytes."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(7, 2, 8, generator=gen) * torch.arange(1, 8)[:, None, None]
+    v = torch.randn(7, 2, 8, generator=gen)
+    slots = torch.tensor([0, 5, 6, 7, 8, 15, -1])  # page boundary 7|8, a padding slot (-1)
+    out = []
+    for be in ("reference", backend):
+        kc, vc = (torch.zeros(4, 4, 2, 8, dtype=FP8_DTYPE) for _ in range(2))
+        ks, vs = empty_page_scales(4, 4, 2, "cpu"), empty_page_scales(4, 4, 2, "cpu")
+        write_kv(kc, vc, k, v, slots, ks, vs, backend=be)
+        out.append((raw(kc), raw(vc), ks, vs))
+    for a, b in zip(out[0], out[1], strict=True):
+        assert torch.equal(a, b)
+    _, _, ks, _ = out[1]
+    flat_s = ks.view(16, 2)
+    torch.testing.assert_close(flat_s[slots[:6]], token_scales(k[:6]))
+    assert int((flat_s != 0).any(-1).sum()) == 6  # untouched slots keep their (zero) scales
+    back = (
+        out[1][0].view(FP8_DTYPE).reshape(16, 2, 8)[slots[:6]].float() * flat_s[slots[:6]].float()[..., None]
+    )
+    assert ((back - k[:6]).abs() <= k[:6].abs() * 2**-4 + 1e-6).all()  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_convert_to_page_scales_equals_direct_write(backend):
+    """bf16 -> fp8 with page scales writes the same bytes and scales as write_kv; fp8 page-scale
+    copies move bytes and scale rows; fp8 -> static fp8 or bf16 dequantizes with the rows."""
+    gen = torch.Generator().manual_seed(4)
+    k = (torch.randn(10, 3, 8, generator=gen) * 5).bfloat16()
+    slots = torch.arange(10) + 4  # pages 1..3 of 4 slots, last page partial
+    bk = torch.zeros(5, 4, 3, 8, dtype=torch.bfloat16)
+    write_kv(bk, bk.clone(), k, k, slots)
+    direct, ds = torch.zeros(6, 4, 3, 8, dtype=FP8_DTYPE), empty_page_scales(6, 4, 3, "cpu")
+    write_kv(direct, direct.clone(), k, k, slots + 4 * 2, ds, ds.clone())  # the same tokens on pages 3..5
+    conv, cs = torch.zeros_like(direct), empty_page_scales(6, 4, 3, "cpu")
+    src, dst = torch.tensor([1, 2, 3]), torch.tensor([3, 4, 5])
+    convert_component_pages(bk, conv, src, dst, cs, backend=backend)
+    # the partial last page's unused slots hold zeros either way (their scales: the floor vs unset)
+    used = slots + 4 * 2
+    assert torch.equal(raw(conv), raw(direct)) and torch.equal(cs.view(-1, 3)[used], ds.view(-1, 3)[used])
+    copy, cps = torch.zeros_like(direct), empty_page_scales(6, 4, 3, "cpu")
+    convert_component_pages(conv, copy, dst, src, cps, cs, backend=backend)
+    assert torch.equal(raw(copy[1:4]), raw(conv[3:6])) and torch.equal(cps[1:4], cs[3:6])
+    deq = conv[3:6].float() * cs[3:6].float()[..., None]
+    back = torch.zeros_like(bk)
+    convert_component_pages(conv, back, dst, src, None, cs, backend=backend)
+    torch.testing.assert_close(back[1:4].float(), deq.bfloat16().float())
+    static = calibrate_tensor_scales(k.float(), 1.5)
+    st = torch.zeros_like(direct)
+    convert_component_pages(conv, st, dst, dst, static, cs, backend=backend)
+    torch.testing.assert_close(st[3:6].float() * static[:, None], deq, rtol=0.07, atol=1e-6)
+
+
+def test_page_scales_are_checked():
+    kc = torch.zeros(3, 4, 2, 8, dtype=FP8_DTYPE)
+    k = torch.randn(1, 2, 8)
+    slot = torch.tensor([0])
+    for bad in (torch.zeros(3, 4, 2), torch.zeros(3, 4, 3, dtype=TOKEN_SCALE_DTYPE), torch.ones(3)):
+        with pytest.raises(ValueError, match="scales must be"):
+            write_kv(kc, kc.clone(), k, k, slot, bad, torch.ones(2))
+
+
+def test_per_token_k_scales_quantize_the_outlier_channel_exactly():
+    """Real K has outlier channels with an offset that dominate q.k. A per-token scale maps each
+    token's largest value (the outlier) to 448 exactly, so the attention output is much closer to
+    fp32 than with a static per-head scale (plain Gaussian K shows no such gain: e4m3 is a float)."""
+    lens = [40, 17, 64]
+    p32 = make_paged_kv(lens, 16, 2, 32, torch.float32, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    k = p32.k_cache * 0.5
+    k[..., 0] = 6 + torch.randn(k.shape[:3], generator=gen) * 2
+    q = torch.randn(3, 4, 32, generator=gen) * 0.3
+    q[..., 0] = 1.0
+    args = (p32.block_tables, p32.context_lens, 0.2)
+    o32 = paged_decode_attention(q, k, p32.v_cache, *args)
+    pages = torch.arange(k.shape[0])
+    v8 = torch.zeros_like(p32.v_cache, dtype=FP8_DTYPE)
+    vs = calibrate_kv_scales(k, p32.v_cache.flatten(0, 1), 1.5)[1]
+    convert_component_pages(p32.v_cache, v8, pages, pages, vs)
+    errs = {}
+    for kind in ("static", "token"):
+        k8 = torch.zeros_like(k, dtype=FP8_DTYPE)
+        if kind == "token":
+            ks = empty_page_scales(len(pages), 16, 2, "cpu")
+        else:
+            ks = calibrate_kv_scales(k.flatten(0, 1), k.flatten(0, 1), 1.5)[0]
+        convert_component_pages(k, k8, pages, pages, ks)
+        o8 = paged_decode_attention(q, k8, v8, *args, ks, vs)
+        errs[kind] = ((o8 - o32).norm() / o32.norm()).item()
+    assert errs["token"] < errs["static"] * 0.7, errs
+
+
+def test_calibrate_tensor_scales():
+    x = torch.ones(4, 3, 8)
+    x[1, 2, 5] = -448.0
+    s = calibrate_tensor_scales(x, 2.0)
+    assert s.shape == (3,) and torch.equal(s, torch.full((3,), 2.0))
+    with pytest.raises(ValueError):
+        calibrate_tensor_scales(x, 0)
