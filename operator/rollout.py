@@ -69,11 +69,11 @@ def only_current_pods(dep: Obj | None) -> bool:
 
 
 def ready(dep: Obj | None) -> bool:
-    """All wanted replicas (at least one) ready on the current template."""
+    """All wanted replicas ready on the current template (a paused pool, 0 wanted, is ready)."""
     if dep is None or not only_current_pods(dep):
         return False
     want = int((dep.get("spec") or {}).get("replicas", 1) or 0)
-    return want >= 1 and int((dep.get("status") or {}).get("readyReplicas", 0) or 0) >= want
+    return int((dep.get("status") or {}).get("readyReplicas", 0) or 0) >= want
 
 
 def stalled(dep: Obj | None) -> str | None:

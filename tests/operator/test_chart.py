@@ -163,6 +163,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert all("*" not in v for v in verbs.values())
     # delete only for what a spec can turn off; the rest goes by ownerReferences
     assert sorted(key for key, v in verbs.items() if "delete" in v) == [
+        ("apps", "deployments"),  # the old pair of a format change
         ("autoscaling", "horizontalpodautoscalers"),
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),

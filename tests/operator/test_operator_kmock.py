@@ -776,6 +776,11 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
         )
     cluster.delete(INTERNAL)
     cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret recreated")
+    update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "fp8_e4m3"}})  # blue/green
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="the new pair")
+    set_ready_named(cluster, "smollm-prefill-green", 1)
+    set_ready_named(cluster, "smollm-decode-green", 2)
+    cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="the old pair removed", timeout=30)
     update_spec(
         cluster,
         {

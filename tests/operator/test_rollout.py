@@ -124,6 +124,12 @@ def test_the_old_pair_goes_after_the_shift_has_settled() -> None:
     assert again.stage == "StartNewPair" and again.slots == {"prefill": BLUE, "decode": BLUE}
 
 
+def test_a_paused_pair_changes_formats_without_waiting_for_pods() -> None:
+    paused = {("prefill", BLUE): dep(OLD, 0, 0), ("decode", BLUE): dep(OLD, 0, 0)}
+    new = {**paused, ("prefill", GREEN): dep(NEW, 0, 0), ("decode", GREEN): dep(NEW, 0, 0)}
+    assert run(new, ON_OLD).stage == "ShiftTraffic"  # nothing to wait for
+
+
 def test_a_stalled_new_pair_is_reported_and_the_old_one_kept() -> None:
     stuck = {
         "conditions": [
