@@ -336,11 +336,13 @@ async def reconcile(
     spec = parse(body.get("spec") or {})
     out = Outcome(problems=formats.check(spec))
 
-    if out.problems:
-        deps = {
-            role: await kube.get("Deployment", ns, children.child_name(name, role))
-            for role in ("prefill", "decode", "router")
-        }
+    if out.problems:  # nothing is applied; the status shows the Deployments as they are
+        deps = {"router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
+        for role in POOLS:
+            deps[role] = await kube.get("Deployment", ns, children.pool_deployment_name(name, role))
+            if deps[role] is None:
+                green = children.pool_deployment_name(name, role, children.GREEN)
+                deps[role] = await kube.get("Deployment", ns, green)
     else:
         deps = await _converge(kube, meta, spec, cfg, status, now, out)
     for key, action in out.actions.items():
