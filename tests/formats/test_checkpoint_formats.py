@@ -298,12 +298,12 @@ def test_logits_match_transformers_on_the_dequantized_checkpoint(checkpoint):
 
     # the stored weight serves its phase's format as is; the other phase holds a dense copy
     layer = engine.model.layers[0]
-    q = layer.q_proj
-    lin, other = q.by_phase[native], q.by_phase[dense]
+    o = layer.o_proj  # never fused with another projection (q/k/v and gate/up may be)
+    lin, other = o.by_phase[native], o.by_phase[dense]
     assert isinstance(other, DenseLinear) and other.weight.dtype == torch.float32
     if fmt == "int4":
         assert isinstance(lin, Int4Linear)
-        words = stored["model.layers.0.self_attn.q_proj.weight_packed"]
+        words = stored["model.layers.0.self_attn.o_proj.weight_packed"]
         assert torch.equal(lin.weight.packed, words.view(torch.uint8))
         assert lin.nbytes == words.nbytes + lin.weight.scales.nbytes  # nibbles + float32 scales only
     else:
