@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats, parse_bytes
+from pagoda.node_agent.engine.config import KV_SCALE_GRANULARITIES, EngineConfig, PhaseFormats, parse_bytes
 from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
@@ -46,6 +46,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="integrity drills and tests only: allow injecting KV faults (never for production)",
     )
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
+    p.add_argument(
+        "--kv-scale-granularity",
+        choices=KV_SCALE_GRANULARITIES,
+        default="per-token-k",
+        help="FP8 KV scales: per-token-k (K per token and head, V static per head), per-head or "
+        "per-tensor (static, calibrated at load)",
+    )
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -74,6 +81,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,
+        kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
     )
 
 
@@ -84,6 +92,7 @@ SERVER_ENGINE_FLAGS = {
     "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
     "integrity": "--integrity", "kernels": "--kernels",
+    "kv_scale_granularity": "--kv-scale-granularity",
 }  # fmt: skip
 
 

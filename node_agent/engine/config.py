@@ -108,6 +108,10 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+# FP8 KV scales: K per token and head (V static per head), static per head, or one static per tensor
+KV_SCALE_GRANULARITIES = ("per-token-k", "per-head", "per-tensor")
+
+
 @dataclass
 class EngineConfig:
     model: str = "builtin://smollm2-135m"
@@ -126,6 +130,7 @@ class EngineConfig:
     integrity: str = "enforce"
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
+    kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
@@ -140,6 +145,11 @@ class EngineConfig:
             )
         if self.role not in ENGINE_ROLES:
             raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
+        if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
+            raise ConfigError(
+                f"kv scale granularity must be one of {', '.join(KV_SCALE_GRANULARITIES)}, "
+                f"got {self.kv_scale_granularity!r}"
+            )
         if self.int4_group_size is not None and self.int4_group_size not in (32, 64, 128, 256):
             raise ConfigError(f"int4 group size must be 32, 64, 128 or 256, got {self.int4_group_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
 from pagoda.kernels.paged_attention import convert_component_pages
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
+from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
 from pagoda.vocabulary import handoff_allowed
 
@@ -23,9 +24,10 @@ class KVPayload:
     first_token: int
     page_size: int
     kv_format: str
-    # per layer {component: [n, page, H, D]} on the CPU: "k"/"v", or MLA's "latent"/"rope_k"
+    # per layer {component: [n, page, H, D]} on the CPU: "k"/"v", or MLA's "latent"/"rope_k"; FP8
+    # components with per-token scales carry them as pages too: "k.scale" [n, page, H] bfloat16
     layers: list[dict[str, torch.Tensor]]
-    scales: list[dict[str, torch.Tensor]] | None = None  # FP8 per-head scales of the sender
+    scales: list[dict[str, torch.Tensor]] | None = None  # FP8 static per-head scales of the sender
     generator_state: torch.Tensor | None = None  # seeded sampling continues where it stopped
     num_cached_tokens: int = 0
     meta: dict = field(default_factory=dict)
@@ -44,12 +46,11 @@ class KVPayload:
 def extract_pages(
     pool: KVPagePool, refs: list[PageRef]
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]] | None]:
-    """Copy the pages' contents (every layer) out of a pool, to the CPU."""
+    """Copy the pages' contents (every layer, per-token scales included) out of a pool, to the CPU."""
     idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=pool.device)
     layers = [{c: t[idx].cpu() for c, t in layer.items()} for layer in pool.layers]
-    scales = (
-        [{c: s.cpu().clone() for c, s in layer.items()} for layer in pool.scales] if pool.scales else None
-    )
+    static = pool.scales if pool.scales and any(pool.scales) else None  # none when all are per token
+    scales = [{c: s.cpu().clone() for c, s in layer.items()} for layer in static] if static else None
     return layers, scales
 
 
@@ -61,15 +62,17 @@ def convert_into(
     src_idx: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    """Write source pages (any KV format) into ``dst_refs``, converting to the destination format."""
+    """Write source pages (any KV format and scale granularity) into ``dst_refs``, converting to the
+    destination's format and scales (per-token scale rows travel with their pages)."""
     dst_idx = torch.tensor([r.page for r in dst_refs], dtype=torch.long, device=dst.device)
     idx = src_idx if src_idx is not None else torch.arange(len(dst_refs), device=dst.device)
     for li, (d, s) in enumerate(zip(dst.layers, src_layers, strict=True)):
         ss = src_scales[li] if src_scales else {}
-        ds = dst.scales[li] if dst.scales else {}
-        for c, pages in d.items():  # every component of the pool: K and V, or an MLA latent and rope key
+        ds = dst.layer_scales(li)
+        for c in dst.components:  # every component of the pool: K and V, or an MLA latent and rope key
+            s_scale = s.get(page_scale_key(c), ss.get(c))
             convert_component_pages(
-                s[c].to(dst.device), pages, idx, dst_idx, ds.get(c), _dev(ss.get(c), dst.device), backend
+                s[c].to(dst.device), d[c], idx, dst_idx, ds.get(c), _dev(s_scale, dst.device), backend
             )
 
 
@@ -140,7 +143,9 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
     Accepted pages: a ``kv_format`` that may hand off to the pool's (vocabulary.HANDOFFS); per layer
     exactly the pool's components, each a dense ``[num_pages, page_size, *shape]`` tensor on the CPU
     or the pool's device, all in one dtype of that format (PAYLOAD_DTYPES); FP8 pages come with
-    finite positive float32 scales ``[heads]`` per layer and component, others with none.
+    scales per layer and component: finite positive float32 ``[heads]`` in ``scales``, or finite
+    non-negative bfloat16 per-token scales ``[num_pages, page_size, heads]`` beside the pages
+    (``layers[l]["k.scale"]``); others with none.
     ``generator_state`` is None or a CPU generator's state (GENERATOR_STATE_BYTES uint8 values that
     a scratch CPU generator accepts): sequences sample with CPU generators on every device."""
     if not isinstance(payload, KVPayload):
@@ -172,7 +177,8 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
         raise RequestError(f"KV payload page_size {payload.page_size!r} != this worker's {ps}")
     num_pages = -(-len(ids) // ps)
     dtype = _check_layers(payload, pool, num_pages)
-    _check_scales(payload.scales, pool, dtype == torch.float8_e4m3fn)
+    static = _check_page_scales(payload, pool, num_pages, dtype == torch.float8_e4m3fn)
+    _check_scales(payload.scales, pool, static)
     _check_generator_state(payload.generator_state)
     meta = payload.meta
     if not isinstance(meta, dict):
@@ -199,10 +205,12 @@ def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch
     names = set(pool.components)
     dtype: torch.dtype | None = None
     for li, layer in enumerate(layers):
-        if not isinstance(layer, dict) or set(layer) != names:
+        comps = {c for c in layer if not is_page_scale_key(c)} if isinstance(layer, dict) else None
+        if comps != names:
             got = sorted(map(str, layer)) if isinstance(layer, dict) else type(layer).__name__
             raise RequestError(f"KV payload layers[{li}]: components {got}, expected {sorted(names)}")
-        for c, t in layer.items():
+        for c in sorted(comps):
+            t = layer[c]
             where = f"KV payload layers[{li}][{c!r}]"
             _check_tensor(t, where, pool)
             want = (num_pages, pool.page_size, *pool.components[c])
@@ -222,17 +230,49 @@ def _check_tensor(t: object, where: str, pool: KVPagePool) -> None:
         raise RequestError(f"{where}: tensor on {t.device}, expected the CPU or {pool.device.type}")
 
 
-def _check_scales(scales: object, pool: KVPagePool, needed: bool) -> None:
-    """FP8 pages carry finite positive float32 per-head scales per layer and component; others none."""
-    if not needed:
+def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, fp8: bool) -> list[str]:
+    """Per-token scales beside FP8 pages: the same components in every layer, each bfloat16
+    ``[num_pages, page_size, heads]``, finite and non-negative. Returns the components that need
+    static scales instead (all of them for FP8 pages without page scales; none for other pages)."""
+    first = {c for c in payload.layers[0] if is_page_scale_key(c)}
+    if first and not fp8:
+        raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8")
+    for li, layer in enumerate(payload.layers):
+        keys = {c for c in layer if is_page_scale_key(c)}
+        if keys != first or not keys <= {page_scale_key(c) for c in pool.components}:
+            raise RequestError(
+                f"KV payload layers[{li}]: per-token scales {sorted(map(str, keys))[:4]} must be "
+                f"the same in every layer, for components of {sorted(pool.components)}"
+            )
+        for key in sorted(keys):
+            t = layer[key]
+            where = f"KV payload layers[{li}][{key!r}]"
+            _check_tensor(t, where, pool)
+            c = key.removesuffix(".scale")
+            want = (num_pages, pool.page_size, pool.components[c][0])
+            if t.dtype != TOKEN_SCALE_DTYPE or tuple(t.shape) != want:
+                raise RequestError(
+                    f"{where}: {t.dtype} {tuple(t.shape)}, expected {TOKEN_SCALE_DTYPE} {want}"
+                )
+            if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+                raise RequestError(f"{where}: per-token scales must be finite and non-negative")
+    if not fp8:
+        return []
+    return [c for c in pool.components if page_scale_key(c) not in first]
+
+
+def _check_scales(scales: object, pool: KVPagePool, static: list[str]) -> None:
+    """The FP8 components without per-token scales carry finite positive float32 per-head scales per
+    layer; when there are none (non-FP8 pages, or every component per token) ``scales`` is None."""
+    if not static:
         if scales is not None:
-            raise RequestError("KV payload scales: present, but the pages are not FP8")
+            raise RequestError("KV payload scales: present, but no FP8 component takes static scales")
         return
     if not isinstance(scales, list) or len(scales) != pool.num_layers:
         raise RequestError(f"KV payload scales: FP8 pages need per-head scales for {pool.num_layers} layers")
     for li, layer in enumerate(scales):
-        if not isinstance(layer, dict) or set(layer) != set(pool.components):
-            raise RequestError(f"KV payload scales[{li}]: components do not match {sorted(pool.components)}")
+        if not isinstance(layer, dict) or set(layer) != set(static):
+            raise RequestError(f"KV payload scales[{li}]: components do not match {sorted(static)}")
         for c, t in layer.items():
             where = f"KV payload scales[{li}][{c!r}]"
             _check_tensor(t, where, pool)

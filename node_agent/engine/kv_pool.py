@@ -3,9 +3,12 @@ counts, per-page generation tags, and the prefix-cache index of sealed pages.
 
 A page holds ``page_size`` tokens. What one token stores is generic: ``components`` maps a name to
 a per-token shape, ``{"k": (Hkv, D), "v": (Hkv, D)}`` for GQA models, ``{"latent": (1, R),
-"rope_k": (1, Dr)}`` for multi-head latent attention (DeepSeek-V3). FP8 pools keep a float32 scale
-per layer, component and head. Every allocation bumps the page's generation tag; block tables keep
-``(page, expected_tag)`` so a stale mapping is detectable before a read.
+"rope_k": (1, Dr)}`` for multi-head latent attention (DeepSeek-V3). FP8 pools keep, per layer and
+component, either a static float32 scale per head or (the ``token_scaled`` components) a bfloat16
+scale per token and head stored beside the pages: ``layers[l]["k.scale"]`` ``[num_pages,
+page_size, heads]``, part of the page like its values, so it moves, hands off and is checksummed
+with it. Every allocation bumps the page's generation tag; block tables keep ``(page,
+expected_tag)`` so a stale mapping is detectable before a read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
 from pagoda.kernels.integrity import next_tag
+from pagoda.kernels.paged_attention import empty_page_scales
 from pagoda.vocabulary import KV_CACHE_FORMATS
 
 log = logging.getLogger("pagoda.kv")
@@ -24,6 +29,17 @@ log = logging.getLogger("pagoda.kv")
 # element dtype per KV format name (None: the compute dtype); fp32 only for calibration scratch pools
 KV_FORMATS = {"bf16": None, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 TAG_BYTES = 4  # int32 generation tag per page
+PAGE_SCALE_SUFFIX = ".scale"  # layers[l][component + suffix]: per-token FP8 scales beside the pages
+TOKEN_SCALE_BYTES = torch.empty((), dtype=TOKEN_SCALE_DTYPE).element_size()
+
+
+def page_scale_key(component: str) -> str:
+    """The layer-dict key of a component's per-token page scales."""
+    return component + PAGE_SCALE_SUFFIX
+
+
+def is_page_scale_key(key: str) -> bool:
+    return key.endswith(PAGE_SCALE_SUFFIX)
 
 
 class OutOfPages(RuntimeError):
@@ -59,9 +75,13 @@ class KVPagePool:
         device: torch.device | str = "cpu",
         kv_format: str = "bf16",
         name: str = "kv",
+        token_scaled: tuple[str, ...] = (),
     ) -> None:
         if num_pages < 1:
             raise ValueError("the KV budget holds no page; raise the KV memory budget")
+        fp8 = dtype == torch.float8_e4m3fn
+        if not set(token_scaled) <= set(components):
+            raise ValueError(f"token_scaled {token_scaled} names no component of {sorted(components)}")
         self.name = name
         self.kv_format = kv_format
         self.num_layers = num_layers
@@ -77,16 +97,29 @@ class KVPagePool:
             }
             for _ in range(num_layers)
         ]
-        # FP8 pages dequantize with static scales per layer and head, set by calibration.
+        # FP8 pages dequantize with static scales per layer and head, set by calibration, or (the
+        # token_scaled components) with per-token scales written beside the pages with the values.
+        self.token_scaled = tuple(token_scaled) if fp8 else ()
+        for layer in self.layers:
+            for c in self.token_scaled:
+                layer[page_scale_key(c)] = empty_page_scales(
+                    num_pages, page_size, components[c][0], self.device
+                )
         self.scales: list[dict[str, torch.Tensor]] | None = None
-        if dtype == torch.float8_e4m3fn:
+        if fp8:
             self.scales = [
                 {
                     c: torch.ones(shape[0], dtype=torch.float32, device=self.device)
                     for c, shape in components.items()
+                    if c not in self.token_scaled
                 }
                 for _ in range(num_layers)
             ]
+        # what the model reads per layer: the static scales, or the page scales, by component
+        self._layer_scales = [
+            {**static, **{c: layer[page_scale_key(c)] for c in self.token_scaled}}
+            for static, layer in zip(self.scales or [{}] * num_layers, self.layers, strict=True)
+        ]
         self.tag_table = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._tags = [0] * num_pages  # host mirror; 0 = never allocated
         self.refcount = [0] * num_pages
@@ -101,12 +134,18 @@ class KVPagePool:
 
     @staticmethod
     def bytes_per_page(
-        num_layers: int, page_size: int, components: dict[str, tuple[int, ...]], dtype: torch.dtype
+        num_layers: int,
+        page_size: int,
+        components: dict[str, tuple[int, ...]],
+        dtype: torch.dtype,
+        token_scaled: tuple[str, ...] = (),
     ) -> int:
-        """Bytes one page costs across all layers, its tag and FP8 scales amortised in."""
+        """Bytes one page costs across all layers: values, per-token FP8 scales and its tag."""
         elem = torch.empty((), dtype=dtype).element_size()
-        per_token = sum(int(torch.Size(s).numel()) for s in components.values())
-        return num_layers * page_size * per_token * elem + TAG_BYTES
+        per_token = sum(int(torch.Size(s).numel()) for s in components.values()) * elem
+        if dtype == torch.float8_e4m3fn:
+            per_token += sum(components[c][0] for c in token_scaled) * TOKEN_SCALE_BYTES
+        return num_layers * page_size * per_token + TAG_BYTES
 
     @classmethod
     def pages_for_budget(
@@ -116,23 +155,27 @@ class KVPagePool:
         page_size: int,
         components: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
+        token_scaled: tuple[str, ...] = (),
     ) -> int:
-        """How many pages fit a byte budget, scales (fixed per layer and head) included."""
+        """How many pages fit a byte budget, scales (static per layer and head, or per token) included."""
         scale_bytes = 0
         if dtype == torch.float8_e4m3fn:
-            scale_bytes = num_layers * sum(s[0] for s in components.values()) * 4
-        per_page = cls.bytes_per_page(num_layers, page_size, components, dtype)
+            static = [s for c, s in components.items() if c not in token_scaled]
+            scale_bytes = num_layers * sum(s[0] for s in static) * 4
+        per_page = cls.bytes_per_page(num_layers, page_size, components, dtype, token_scaled)
         return max(0, (budget_bytes - scale_bytes) // per_page)
 
     # ------------------------------------------------------------------ what a model reads
 
     def layer_cache(self, layer: int) -> dict[str, torch.Tensor]:
-        """The page tensors of one layer, by component ([num_pages, page_size, *shape] each)."""
+        """The page tensors of one layer, by component ([num_pages, page_size, *shape] each; page
+        scales under ``page_scale_key(component)``)."""
         return self.layers[layer]
 
     def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
-        """FP8 dequantization scales of one layer by component ({} for unscaled pages)."""
-        return self.scales[layer] if self.scales is not None else {}
+        """FP8 dequantization scales of one layer by component: static [heads] float32, or the
+        per-token page scales [num_pages, page_size, heads] ({} for unscaled pages)."""
+        return self._layer_scales[layer]
 
     @property
     def capacity_tokens(self) -> int:

@@ -6,7 +6,11 @@ import logging
 
 import torch
 
-from pagoda.kernels.paged_attention import RECOMMENDED_KV_HEADROOM, calibrate_head_scales
+from pagoda.kernels.paged_attention import (
+    RECOMMENDED_KV_HEADROOM,
+    calibrate_head_scales,
+    calibrate_tensor_scales,
+)
 from pagoda.node_agent.engine.calibration import CALIBRATION_TEXT
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.kv_pool import KVPagePool, storage_dtype
@@ -24,6 +28,12 @@ def kv_components(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.mla is not None:
         return {"latent": (1, cfg.mla.kv_lora_rank), "rope_k": (1, cfg.mla.qk_rope_head_dim)}
     return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
+
+def token_scaled_components(granularity: str, components: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """The components whose FP8 scales are per token: K under "per-token-k" (a GQA model's "k";
+    MLA's latent and rope key keep their static per-layer scales), none otherwise."""
+    return ("k",) if granularity == "per-token-k" and "k" in components else ()
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -83,29 +93,38 @@ class PoolBuilder:
         """As many pages of ``kv_format`` as ``budget`` bytes hold (scales calibrated for FP8)."""
         dt = storage_dtype(kv_format, self.dtype)
         n = self.model_config.num_layers
-        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.components, dt)
+        tok = token_scaled_components(self.config.kv_scale_granularity, self.components)
+        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.components, dt, tok)
         check_pool_fits(
             name=name,
             kv_format=kv_format,
             budget=budget,
             pages=pages,
             page_size=self.config.page_size,
-            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.components, dt),
+            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.components, dt, tok),
             num_layers=n,
             max_model_len=self.max_model_len,
             must_hold_sequence=self.must_hold_sequence(),
         )
         pool = KVPagePool(
-            n, pages, self.config.page_size, self.components, dt, self.device, kv_format=kv_format, name=name
+            n,
+            pages,
+            self.config.page_size,
+            self.components,
+            dt,
+            self.device,
+            kv_format=kv_format,
+            name=name,
+            token_scaled=tok,
         )
-        if pool.scales is not None:
+        if pool.scales is not None and any(pool.scales):
             self.calibrate(pool)
         return pool
 
     @torch.inference_mode()
     def calibrate(self, pool: KVPagePool) -> None:
-        """Static FP8 scales per layer, component and head (KV head; the one MLA head) from the
-        cache contents of a short built-in text."""
+        """Static FP8 scales per layer and component (per KV head, or one per tensor; the one MLA
+        head) from the cache contents of a short built-in text. Per-token scales need none."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT)[: self.max_model_len]
         n = len(ids)
         tmp = KVPagePool(
@@ -118,7 +137,11 @@ class PoolBuilder:
             name="calibration",
         )
         self.runner.score(ids, tmp, phase="prefill")
+        per_tensor = self.config.kv_scale_granularity == "per-tensor"
+        calibrate = calibrate_tensor_scales if per_tensor else calibrate_head_scales
         for layer, scales in zip(tmp.layers, pool.scales, strict=True):
             for c, scale in scales.items():
-                scale.copy_(calibrate_head_scales(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM))
-        log.info("calibrated FP8 KV scales of %s on %d tokens", pool.name, n)
+                scale.copy_(calibrate(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM))
+        log.info(
+            "calibrated FP8 KV scales (%s) of %s on %d tokens", self.config.kv_scale_granularity, pool.name, n
+        )

@@ -144,12 +144,13 @@ def malformed(p: KVPayload, vocab: int, max_len: int) -> list[tuple[str, object,
         add("scales on non-FP8 pages", "scales", clone(p, scales=fake))
         add("empty scales on non-FP8 pages", "scales", clone(p, scales=[]))
     else:
-        s = p.scales[0]["k"]
+        c0 = next(iter(p.scales[0]))  # a component with static scales ("v" beside per-token K scales)
+        s = p.scales[0][c0]
         add("FP8 without scales", "scales", clone(p, scales=None))
         add("scales a layer short", "scales", clone(p, scales=p.scales[:-1]))
-        add("scales a dict", "scales", clone(p, scales={"k": s}))
+        add("scales a dict", "scales", clone(p, scales={c0: s}))
         q = clone(p)
-        del q.scales[2]["v"]
+        del q.scales[2][c0]
         add("a scale component missing", "scales[2]", q)
         for label, t in (
             ("one head more", torch.ones(heads + 1)),
@@ -163,7 +164,33 @@ def malformed(p: KVPayload, vocab: int, max_len: int) -> list[tuple[str, object,
             ("a list", s.tolist()),
             ("meta", torch.empty_like(s, device="meta")),
         ):
-            add(f"scale {label}", "scales[1]", with_tensor(p, 1, "k", t, "scales"))
+            add(f"scale {label}", "scales[1]", with_tensor(p, 1, c0, t, "scales"))
+    if "k.scale" in p.layers[0]:  # per-token K scales beside the pages
+        ks = p.layers[0]["k.scale"]
+        q = clone(p)
+        del q.layers[4]["k.scale"]
+        add("per-token scales missing in one layer", "layers[4]", q)
+        q = clone(p, layers=[{c: t for c, t in la.items() if c != "k.scale"} for la in p.layers])
+        add("per-token K scales missing, no static K scale", "scales[0]", q)
+        add("static K scale beside per-token ones", "scales[0]", clone(p, scales=[
+            {**la, "k": torch.ones(heads)} for la in p.scales
+        ]))  # fmt: skip
+        add("per-token scales for an unknown component", "layers[0]", with_tensor(p, 0, "x.scale", ks))
+        for label, t in (
+            ("float32", ks.float()),
+            ("a page short", ks[:-1]),
+            ("one head more", torch.ones(n, ps, heads + 1, dtype=ks.dtype)),
+            ("2-D", ks.flatten(1)),
+            ("NaN", torch.full_like(ks, float("nan"))),
+            ("inf", torch.full_like(ks, float("inf"))),
+            ("negative", -ks - 1),
+            ("a list", ks.tolist()),
+            ("meta", torch.empty_like(ks, device="meta")),
+        ):
+            add(f"per-token scale {label}", "layers[2]['k.scale']", with_tensor(p, 2, "k.scale", t))
+    else:
+        fake = torch.ones(n, ps, heads, dtype=torch.bfloat16)
+        add("per-token scales on non-FP8 pages", "not FP8", with_tensor(p, 0, "k.scale", fake))
     # generator state
     good = torch.Generator().manual_seed(3).get_state()
     rng = torch.Generator().manual_seed(1)

@@ -111,3 +111,40 @@ def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
     changed = [p for p, t in enumerate(eng.pool._tags) if t != tags_before[p]]
     assert len(changed) == eng.pool.num_pages  # every page was (re)allocated at least once
     assert eng.pool.allocations > eng.pool.num_pages
+
+
+def test_per_token_k_scales_live_beside_the_pages_and_keep_195x():
+    """Per-token K scales (bfloat16, per token and KV head) are a page tensor of every layer, what
+    the model reads as K's scales; V keeps a static per-head scale. SmolLM2's shape still holds
+    >= 1.95x the bf16 tokens (390 vs 768 bytes per token and layer)."""
+    comps = {"k": (3, 64), "v": (3, 64)}
+    per_layer = KVPagePool.bytes_per_page(1, 16, comps, torch.float8_e4m3fn, ("k",)) - 4
+    assert per_layer == 16 * (2 * 3 * 64 + 3 * 2)
+    budget = 64 << 20
+    n_bf16 = KVPagePool.pages_for_budget(budget, 30, 16, comps, torch.bfloat16)
+    n_tok = KVPagePool.pages_for_budget(budget, 30, 16, comps, torch.float8_e4m3fn, ("k",))
+    assert 1.95 <= n_tok / n_bf16 < 2.0
+    pool = KVPagePool(30, n_tok, 16, comps, torch.float8_e4m3fn, token_scaled=("k",))
+    assert pool.total_bytes <= budget
+    for layer in range(30):
+        ks = pool.layer_cache(layer)["k.scale"]
+        assert ks.shape == (n_tok, 16, 3) and ks.dtype == torch.bfloat16
+        scales = pool.layer_scales(layer)
+        assert scales["k"] is ks and scales["v"].shape == (3,) and set(pool.scales[layer]) == {"v"}
+
+
+def test_token_scaled_needs_fp8_and_a_known_component():
+    pool = KVPagePool(2, 4, 4, COMPS, torch.float32, token_scaled=("k",))
+    assert pool.token_scaled == () and set(pool.layer_cache(0)) == {"k", "v"} and pool.layer_scales(0) == {}
+    with pytest.raises(ValueError, match="token_scaled"):
+        KVPagePool(2, 4, 4, COMPS, torch.float8_e4m3fn, token_scaled=("latent",))
+
+
+def test_granularity_picks_the_per_token_components():
+    from pagoda.node_agent.engine.kv_setup import token_scaled_components
+
+    gqa = {"k": (3, 64), "v": (3, 64)}
+    mla = {"latent": (1, 512), "rope_k": (1, 64)}
+    assert token_scaled_components("per-token-k", gqa) == ("k",)
+    assert token_scaled_components("per-head", gqa) == token_scaled_components("per-tensor", gqa) == ()
+    assert token_scaled_components("per-token-k", mla) == ()  # MLA keeps its static per-layer scales

@@ -1,0 +1,124 @@
+"""Per-token FP8 K scales travel with their pages: migration between pools of any scale granularity,
+the handoff payload and its checks, and the page checksum (no engine: small pools)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels.paged_attention import calibrate_head_scales
+from pagoda.node_agent.engine import handoff
+from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.engine.kv_pool import KVPagePool
+from pagoda.node_agent.engine.page_checksum import payload_checksums, pool_page_checksums
+from pagoda.node_agent.engine.sequence import RequestError
+
+COMPS = {"k": (2, 8), "v": (2, 8)}
+FP8 = torch.float8_e4m3fn
+LAYERS, PAGE = 2, 4
+
+
+def pool(dtype=FP8, token_scaled=("k",), pages=6) -> KVPagePool:
+    fmt = "fp8_e4m3" if dtype == FP8 else "bf16"
+    return KVPagePool(LAYERS, pages, PAGE, COMPS, dtype, kv_format=fmt, token_scaled=token_scaled)
+
+
+def filled_bf16(n_pages: int = 2):
+    """A float32 ("bf16" format on the CPU) pool with random K/V on ``n_pages`` pages; K has a
+    per-token magnitude spread and an outlier channel, like real K."""
+    src = pool(torch.float32, ())
+    refs = src.allocate_pages(n_pages)
+    g = torch.Generator().manual_seed(0)
+    for layer in src.layers:
+        for c, t in layer.items():
+            x = torch.randn(n_pages, PAGE, 2, 8, generator=g)
+            if c == "k":
+                x = x * torch.exp(torch.randn(n_pages, PAGE, 2, 1, generator=g))
+                x[..., 0] += 6
+            t[[r.page for r in refs]] = x
+    return src, refs
+
+
+def calibrate(p: KVPagePool, src: KVPagePool) -> None:
+    for layer, scales in zip(src.layers, p.scales, strict=True):
+        for c, s in scales.items():
+            s.copy_(calibrate_head_scales(layer[c].flatten(0, 1), 1.5))
+
+
+def dequant(p: KVPagePool, refs, layer: int, c: str) -> torch.Tensor:
+    idx = [r.page for r in refs]
+    x = p.layers[layer][c][idx].float()
+    s = p.layer_scales(layer).get(c)
+    if s is None:
+        return x
+    return x * (s[idx].float()[..., None] if s.dim() == 3 else s[:, None])
+
+
+@pytest.mark.parametrize("dst_tok", [("k",), ()])
+def test_migration_between_granularities(dst_tok):
+    """bf16 -> per-token-k fp8 -> (per-token-k | per-head) fp8 -> bf16: values stay within e4m3's
+    rounding, and page-scale rows move with their pages."""
+    src, refs = filled_bf16()
+    want = {c: dequant(src, refs, 1, c) for c in ("k", "v")}
+    a = pool()
+    calibrate(a, src)
+    a_refs = handoff.migrate(src, a, refs)
+    b = pool(token_scaled=dst_tok)
+    calibrate(b, src)
+    b_refs = handoff.migrate(a, b, a_refs)
+    for p, r in ((a, a_refs), (b, b_refs)):
+        for c in ("k", "v"):
+            got = dequant(p, r, 1, c)
+            assert ((got - want[c]).abs() <= want[c].abs() * 0.07 + 0.02).all(), (c, dst_tok)
+    if dst_tok:  # fp8 -> fp8 with per-token scales on both sides: bytes and scale rows copied
+        for la, lb in zip(a.layers, b.layers, strict=True):
+            ia, ib = [r.page for r in a_refs], [r.page for r in b_refs]
+            assert torch.equal(la["k"][ia].view(torch.uint8), lb["k"][ib].view(torch.uint8))
+            assert torch.equal(la["k.scale"][ia], lb["k.scale"][ib])
+    back = pool(torch.float32, ())
+    back_refs = handoff.migrate(b, back, b_refs)
+    torch.testing.assert_close(dequant(back, back_refs, 0, "k"), dequant(b, b_refs, 0, "k"))
+
+
+def test_payload_carries_page_scales_and_checksums_cover_them():
+    src, refs = filled_bf16()
+    a = pool()
+    calibrate(a, src)
+    a_refs = handoff.migrate(src, a, refs)
+    layers, scales = handoff.extract_pages(a, a_refs)
+    assert set(layers[0]) == {"k", "v", "k.scale"} and [set(s) for s in scales] == [{"v"}] * LAYERS
+    assert payload_checksums(layers) == pool_page_checksums(a, [r.page for r in a_refs])
+    before = pool_page_checksums(a, [r.page for r in a_refs])
+    a.layers[1]["k.scale"][a_refs[1].page, 2, 0] *= 2  # only a scale changes
+    after = pool_page_checksums(a, [r.page for r in a_refs])
+    assert after[0] == before[0] and after[1] != before[1]
+    # a payload with per-token scales goes into a per-head pool (and the reverse) through the checks
+    ids = list(range(2 * PAGE - 1))
+    p = KVPayload("r", ids, 1, PAGE, "fp8_e4m3", layers, scales)
+    for dst in (pool(token_scaled=()), pool()):
+        calibrate(dst, src)
+        assert handoff.check_payload(p, dst, 100, 64) == 2
+        handoff.convert_into(dst, dst.allocate_pages(2), p.layers, p.scales)
+
+
+def test_page_scale_checks_name_the_field():
+    src, refs = filled_bf16()
+    a = pool()
+    calibrate(a, src)
+    layers, scales = handoff.extract_pages(a, handoff.migrate(src, a, refs))
+    ids = list(range(2 * PAGE - 1))
+
+    def check(layers=layers, scales=scales, fmt="fp8_e4m3"):
+        handoff.check_payload(KVPayload("r", ids, 1, PAGE, fmt, layers, scales), pool(), 100, 64)
+
+    check()
+    bad = [dict(la) for la in layers]
+    bad[1]["k.scale"] = bad[1]["k.scale"].float()
+    with pytest.raises(RequestError, match=r"layers\[1\]\['k.scale'\]: torch.float32"):
+        check(bad)
+    bad = [dict(la) for la in layers]
+    bad[0]["k.scale"] = -bad[0]["k.scale"] - 1
+    with pytest.raises(RequestError, match="non-negative"):
+        check(bad)
+    with pytest.raises(RequestError, match=r"scales\[0\]: components"):
+        check(scales=[{**s, "k": torch.ones(2)} for s in scales])
