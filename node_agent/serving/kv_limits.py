@@ -44,6 +44,10 @@ HEADER_KEYS = frozenset(
         "num_cached_tokens",
     }
 )
+# Optional: the components whose FP8 scales are per token (bfloat16 [page_size, heads] per page and
+# layer, sent inside each PAGE frame after the values); absent or [] when every scale is static.
+OPTIONAL_HEADER_KEYS = frozenset({"page_scales"})
+PAGE_SCALE_ELEM = 2  # bfloat16
 MAX_ID_CHARS = 256  # ticket and request id
 HEADER_SLACK = 8192  # bytes of a header besides its token ids
 
@@ -95,17 +99,27 @@ class KVLimits:
     def page_shape(self, c: str) -> list[int]:
         return [self.page_size, *self.component_shapes[c]]
 
-    def page_bytes(self, dtype: str) -> int:
-        """Bytes of one PAGE frame's data (every layer and component) in ``dtype``."""
-        per = sum(math.prod(self.page_shape(c)) for c in self.components)
-        return self.num_layers * per * _ELEM[dtype]
+    def page_bytes(self, dtype: str, page_scales: list[str] | tuple[str, ...] = ()) -> int:
+        """Bytes of one PAGE frame's data (every layer and component) in ``dtype``, with the
+        per-token scales of the ``page_scales`` components."""
+        per = sum(math.prod(self.page_shape(c)) for c in self.components) * _ELEM[dtype]
+        per += sum(self.page_size * self.component_shapes[c][0] for c in page_scales) * PAGE_SCALE_ELEM
+        return self.num_layers * per
+
+    def page_scale_shape(self, c: str) -> list[int]:
+        """One page's per-token scales of component ``c``: [page_size, heads]."""
+        return [self.page_size, self.component_shapes[c][0]]
 
     def scale_shape(self, c: str) -> list[int]:
         return [self.component_shapes[c][0]]
 
+    def static_scales_bytes(self, comps: list[str]) -> int:
+        """The SCALES frame's size when ``comps`` take static float32 per-head scales."""
+        return self.num_layers * sum(self.scale_shape(c)[0] for c in comps) * 4
+
     @property
     def scales_bytes(self) -> int:
-        return self.num_layers * sum(self.scale_shape(c)[0] for c in self.components) * 4
+        return self.static_scales_bytes(self.components)
 
     @property
     def max_header_bytes(self) -> int:
@@ -114,7 +128,7 @@ class KVLimits:
 
     @property
     def max_frame(self) -> int:
-        pages = max(self.page_bytes(dt) for _, dt in self.formats) + 4
+        pages = max(self.page_bytes(dt, self.components if dt == FP8 else ()) for _, dt in self.formats) + 4
         return max(self.max_header_bytes, pages, self.scales_bytes, self.generator_state_len)
 
 
@@ -143,7 +157,7 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
     """Raise HeaderError unless ``h`` (the parsed HEADER JSON) is a handoff this pool can take now."""
     if type(h) is not dict:
         raise HeaderError("KV header must be a JSON object")
-    keys = set(h)
+    keys = set(h) - OPTIONAL_HEADER_KEYS
     if keys != HEADER_KEYS:
         missing, extra = sorted(HEADER_KEYS - keys), sorted(keys - HEADER_KEYS)
         raise HeaderError(f"KV header fields: missing {missing[:5]}, unknown {[k[:40] for k in extra[:5]]}")
@@ -170,12 +184,20 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
         raise HeaderError("KV header: page_shape must name every component")
     for c in limits.components:
         _shape(shapes[c], limits.page_shape(c), f"page_shape[{c}]")
+    page_scales = header_page_scales(h, limits)
+    if page_scales and dtype != FP8:
+        raise HeaderError("KV header: page_scales are for float8 pages only")
+    static = [c for c in limits.components if c not in page_scales] if dtype == FP8 else []
     has_scales = h["has_scales"]
-    if type(has_scales) is not bool or has_scales != (dtype == FP8):
-        raise HeaderError("KV header: has_scales must be true exactly for float8 pages")
+    if type(has_scales) is not bool or has_scales != bool(static):
+        raise HeaderError(
+            "KV header: has_scales must be true exactly for float8 pages with a component not in page_scales"
+        )
     sshape = h["scale_shape"]
-    if type(sshape) is not dict or set(sshape) != (set(limits.components) if has_scales else set()):
-        raise HeaderError("KV header: scale_shape must name every component for float8 pages, else none")
+    if type(sshape) is not dict or set(sshape) != set(static):
+        raise HeaderError(
+            "KV header: scale_shape must name every float8 component without page_scales, and no other"
+        )
     for c in sshape:
         _shape(sshape[c], limits.scale_shape(c), f"scale_shape[{c}]")
     gen = h["generator_state_len"]
@@ -188,6 +210,16 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
         raise HeaderError(f"KV header: {len(ids)} tokens need {need} pages, not {n}")
     if n > available_pages:
         raise NoRoom(f"KV header: {n} pages do not fit the {available_pages} free decode pages")
+
+
+def header_page_scales(h: dict[str, Any], limits: KVLimits) -> list[str]:
+    """The header's ``page_scales`` (absent: none): distinct components of this model."""
+    v = h.get("page_scales", [])
+    if type(v) is not list or any(type(c) is not str for c in v) or len(set(v)) != len(v):
+        raise HeaderError("KV header: page_scales must be a list of distinct component names")
+    if not set(v) <= set(limits.components):
+        raise HeaderError(f"KV header: page_scales must name components of {limits.components}")
+    return [c for c in limits.components if c in v]
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -12,12 +12,15 @@ The sender opens one connection per handoff and sends, in order:
    ``kv_format``, ``num_pages``, ``num_layers``, ``components`` (e.g. ``["k", "v"]``), ``dtype``
    (torch dtype name of the pages), ``page_shape`` (per component, one page:
    ``[page_size, heads, dim]``), ``has_scales``, ``scale_shape``, ``generator_state_len``,
-   ``num_cached_tokens``.
-2. ``PAGE`` (type 2), one per page: ``page_index u32`` then, for every layer in order and every
-   component in header order, the page's elements in C order. The frame's CRC32 is that page's
-   checksum; the receiver verifies it on arrival and fails the whole handoff on a mismatch.
-3. ``SCALES`` (type 3, when ``has_scales``): float32 per-head FP8 scales, layer by layer,
-   component by component.
+   ``num_cached_tokens``, and optionally ``page_scales`` (the FP8 components whose scales are per
+   token, e.g. ``["k"]``; absent means none).
+2. ``PAGE`` (type 2), one per page: ``page_index u32`` then, for every layer in order, every
+   component in header order, the page's elements in C order, then the page's per-token scales
+   (bfloat16 ``[page_size, heads]``) of each ``page_scales`` component. The frame's CRC32 is that
+   page's checksum (scales included); the receiver verifies it on arrival and fails the whole
+   handoff on a mismatch.
+3. ``SCALES`` (type 3, when ``has_scales``): float32 per-head FP8 scales of the components not in
+   ``page_scales``, layer by layer, component by component.
 4. ``GENSTATE`` (type 4, when ``generator_state_len`` > 0): the sampling generator's state bytes.
 5. ``END`` (type 5): ``num_pages u32``, the count the receiver must have seen.
 
@@ -44,6 +47,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import struct
 import time
 import zlib
@@ -54,9 +58,19 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
 from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.engine.kv_pool import is_page_scale_key, page_scale_key
 from pagoda.node_agent.serving.internal_auth import MAC_BYTES, InternalAuth
-from pagoda.node_agent.serving.kv_limits import HeaderError, KVLimits, NoRoom, check_header, torch_dtype
+from pagoda.node_agent.serving.kv_limits import (
+    PAGE_SCALE_ELEM,
+    HeaderError,
+    KVLimits,
+    NoRoom,
+    check_header,
+    header_page_scales,
+    torch_dtype,
+)
 
 log = logging.getLogger("pagoda.kv_transport")
 
@@ -126,10 +140,17 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def _components(p: KVPayload) -> tuple[list[str], list[str]]:
+    """(the payload's components, those of them with per-token scales beside the pages)."""
+    keys = list(p.layers[0]) if p.layers else []
+    comps = [c for c in keys if not is_page_scale_key(c)]
+    return comps, [c for c in comps if page_scale_key(c) in keys]
+
+
 def header_of(ticket: str, p: KVPayload, gen_len: int) -> dict[str, Any]:
-    comps = list(p.layers[0]) if p.layers else []
+    comps, page_scales = _components(p)
     first = p.layers[0][comps[0]] if comps else None
-    return {
+    header = {
         "ticket": ticket,
         "request_id": p.request_id,
         "prompt_token_ids": p.prompt_token_ids,
@@ -142,10 +163,13 @@ def header_of(ticket: str, p: KVPayload, gen_len: int) -> dict[str, Any]:
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else "float32",
         "page_shape": {c: list(p.layers[0][c].shape[1:]) for c in comps},
         "has_scales": p.scales is not None,
-        "scale_shape": {c: list(p.scales[0][c].shape) for c in comps} if p.scales else {},
+        "scale_shape": {c: list(p.scales[0][c].shape) for c in comps if c in p.scales[0]} if p.scales else {},
         "generator_state_len": gen_len,
         "num_cached_tokens": p.num_cached_tokens,
     }
+    if page_scales:
+        header["page_scales"] = page_scales
+    return header
 
 
 def header_frame(auth: InternalAuth, header: dict[str, Any]) -> bytes:
@@ -156,14 +180,16 @@ def header_frame(auth: InternalAuth, header: dict[str, Any]) -> bytes:
 
 def payload_frames(ticket: str, p: KVPayload, auth: InternalAuth) -> list[bytes]:
     """The frames of one handoff (header, pages, scales, generator state, end)."""
-    comps = list(p.layers[0]) if p.layers else []
+    comps, page_scales = _components(p)
+    keys = comps + [page_scale_key(c) for c in page_scales]  # per layer: values, then per-token scales
     gen = _bytes(p.generator_state) if p.generator_state is not None else b""
     frames = [header_frame(auth, header_of(ticket, p, len(gen)))]
     for i in range(p.num_pages):
-        parts = [_U32.pack(i)] + [_bytes(layer[c][i]) for layer in p.layers for c in comps]
+        parts = [_U32.pack(i)] + [_bytes(layer[c][i]) for layer in p.layers for c in keys]
         frames.append(encode_frame(PAGE, b"".join(parts)))
     if p.scales is not None:
-        frames.append(encode_frame(SCALES, b"".join(_bytes(s[c].float()) for s in p.scales for c in comps)))
+        static = [c for c in comps if c in p.scales[0]]
+        frames.append(encode_frame(SCALES, b"".join(_bytes(s[c].float()) for s in p.scales for c in static)))
     if gen:
         frames.append(encode_frame(GENSTATE, gen))
     frames.append(encode_frame(END, _U32.pack(p.num_pages)))
@@ -181,7 +207,9 @@ class _Assembler:
         self.limits = limits
         self.n: int = header["num_pages"]
         self.dtype_name: str = header["dtype"]
-        self.page_bytes = limits.page_bytes(self.dtype_name)
+        self.page_scales: list[str] = header_page_scales(header, limits)
+        self.static = [c for c in limits.components if c not in self.page_scales]
+        self.page_bytes = limits.page_bytes(self.dtype_name, self.page_scales)
         self.pages: dict[int, bytes] = {}
         self.scales_body: bytes | None = None
         self.gen_body: bytes | None = None
@@ -195,7 +223,7 @@ class _Assembler:
         if ftype == PAGE:
             return 4 + self.page_bytes
         if ftype == SCALES:
-            return self.limits.scales_bytes if self.h["has_scales"] else -1
+            return self.limits.static_scales_bytes(self.static) if self.h["has_scales"] else -1
         if ftype == GENSTATE:
             return self.h["generator_state_len"] or -1
         return 4
@@ -244,6 +272,13 @@ class _Assembler:
             for c in comps:
                 d[c] = t[:, off : off + sizes[c]].contiguous().view(dtype).reshape(n, *lim.page_shape(c))
                 off += sizes[c]
+            for c in self.page_scales:
+                size = math.prod(lim.page_scale_shape(c)) * PAGE_SCALE_ELEM
+                rows = t[:, off : off + size].contiguous().view(TOKEN_SCALE_DTYPE)
+                d[page_scale_key(c)] = rows.reshape(n, *lim.page_scale_shape(c))
+                off += size
+                if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+                    raise TransferError("KV per-token scales must be finite and non-negative", "invalid")
             layers.append(d)
         del t, flat
         scales = None
@@ -254,7 +289,7 @@ class _Assembler:
             scales, off = [], 0
             for _ in range(lim.num_layers):
                 d = {}
-                for c in comps:
+                for c in self.static:
                     k = lim.scale_shape(c)[0]
                     d[c] = vals[off : off + k].clone()
                     off += k
