@@ -389,7 +389,8 @@ def headless_service(meta: Obj, role: str, formats: str | None = None) -> Obj:
         "metadata": metadata,
         "spec": {
             "clusterIP": "None",
-            "publishNotReadyAddresses": False,
+            # publishNotReadyAddresses stays unset (false): only ready pods are in DNS. Set to its
+            # default it would be dropped by the API server and patched again on every pass.
             "selector": {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})},
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
