@@ -27,6 +27,7 @@ log = logging.getLogger("pagoda.kernels")
 _lock = threading.Lock()
 _calls: Counter[str] = Counter()
 _logged: set[str] = set()
+_choices: dict[tuple, Backend] = {}
 
 
 @functools.cache
@@ -60,7 +61,16 @@ def select_backend(device: torch.device | str, requested: str | None = None) -> 
     ``triton`` on CUDA when Triton imports, else ``cpu``. A ``triton`` request that cannot run (no
     Triton, or CPU tensors without the interpreter) falls back to ``cpu`` with a warning.
     """
-    device = torch.device(device)
+    dev_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+    env = os.environ
+    key = (dev_type, requested, env.get(ENV_VAR, ""), env.get("TRITON_INTERPRET", ""), triton_available())
+    choice = _choices.get(key)
+    if choice is None:  # decided once per (device type, request, environment): ops call this per step
+        choice = _choices[key] = _select(torch.device(dev_type), requested)
+    return choice
+
+
+def _select(device: torch.device, requested: str | None) -> Backend:
     env = os.environ.get(ENV_VAR, "").strip().lower()
     if env in ("", "auto"):
         env = ""
@@ -95,7 +105,10 @@ def record(op: str, backend: str) -> None:
     key = f"{op}/{backend}"
     with _lock:
         _calls[key] += 1
-    _log_once(key, "kernel %s uses backend %s", op, backend)
+        first = key not in _logged
+        _logged.add(key)
+    if first:
+        log.info("kernel %s uses backend %s", op, backend)
 
 
 def resolve(

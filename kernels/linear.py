@@ -12,8 +12,9 @@ from torch import Tensor
 from .dispatch import record, select_backend
 from .fp8 import Fp8Weight, fp8_linear
 from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, quantize_int4
+from .int8 import Int8Weight, int8_linear
 
-FORMATS = ("bf16", "fp32", "fp8", "int4")
+FORMATS = ("bf16", "fp32", "fp8", "int4", "int8")
 
 
 @runtime_checkable
@@ -108,6 +109,24 @@ class Int4Linear:
         return y.to(x.dtype)
 
 
+class Int8Linear:
+    """Per-output-channel INT8 weight (the decode LM head's ``int8`` format)."""
+
+    fmt = "int8"
+
+    def __init__(self, weight: Int8Weight, dtype: torch.dtype, backend: str | None) -> None:
+        self.weight = weight
+        self.dtype = dtype
+        self.backend = backend
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def apply(self, x: Tensor) -> Tensor:
+        return int8_linear(x, self.weight, self.backend)
+
+
 def make_linear_weight(
     w: Tensor | Int4Weight | Fp8Weight,
     fmt: str,
@@ -135,4 +154,6 @@ def make_linear_weight(
     if fmt == "int4":
         g = pick_group_size(w.shape[1], group_size or 128)  # the largest allowed group dividing K
         return Int4Linear(quantize_int4(w, g), dtype, bias, backend)
+    if fmt == "int8" and bias is None:
+        return Int8Linear(Int8Weight.quantize(w), dtype, backend)
     raise ValueError(f"unknown weight format {fmt!r}; accepted formats: {', '.join(FORMATS)}")

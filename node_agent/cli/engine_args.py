@@ -47,6 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
     p.add_argument(
+        "--decode-lm-head",
+        choices=("dense", "int8", "int4"),
+        default="dense",
+        help="the decode phase's LM head: dense (the compute dtype), int8 (per row) or int4 (group 32)",
+    )
+    p.add_argument(
         "--kv-scale-granularity",
         choices=KV_SCALE_GRANULARITIES,
         default="per-token-k",
@@ -81,6 +87,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,
+        decode_lm_head=getattr(a, "decode_lm_head", "dense"),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
     )
 
@@ -91,7 +98,7 @@ SERVER_ENGINE_FLAGS = {
     "prefill_kv": "--prefill-kv", "decode_weights": "--decode-weights", "decode_kv": "--decode-kv",
     "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
-    "integrity": "--integrity", "kernels": "--kernels",
+    "integrity": "--integrity", "kernels": "--kernels", "decode_lm_head": "--decode-lm-head",
     "kv_scale_granularity": "--kv-scale-granularity",
 }  # fmt: skip
 

@@ -130,6 +130,7 @@ class EngineConfig:
     integrity: str = "enforce"
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
+    decode_lm_head: str = "dense"  # the decode phase's LM head: dense | int8 | int4 (group 32)
     kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
@@ -145,6 +146,8 @@ class EngineConfig:
             )
         if self.role not in ENGINE_ROLES:
             raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
+        if self.decode_lm_head not in ("dense", "int8", "int4"):
+            raise ConfigError(f"decode LM head must be dense, int8 or int4, got {self.decode_lm_head!r}")
         if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
             raise ConfigError(
                 f"kv scale granularity must be one of {', '.join(KV_SCALE_GRANULARITIES)}, "

@@ -54,7 +54,9 @@ class NoopTracker:
     def __init__(self) -> None:
         self.counters = IntegrityCounters()
 
-    def check(self, seqs: list[Sequence], pool: KVPagePool) -> dict[Sequence, IntegrityError]:
+    def check(
+        self, seqs: list[Sequence], pool: KVPagePool, tables: tuple | None = None
+    ) -> dict[Sequence, IntegrityError]:
         return {}
 
     def sealed(self, seq: Sequence, pool: KVPagePool) -> None:
@@ -77,13 +79,21 @@ class TagTracker(NoopTracker):
         super().__init__()
         self.backend = backend
 
-    def check(self, seqs: list[Sequence], pool: KVPagePool) -> dict[Sequence, IntegrityError]:
-        """Return the sequences whose mapped pages changed, each with a descriptive error."""
+    def check(
+        self, seqs: list[Sequence], pool: KVPagePool, tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> dict[Sequence, IntegrityError]:
+        """Return the sequences whose mapped pages changed, each with a descriptive error.
+
+        ``tables``: the (pages, tags) block tables of ``seqs`` when the caller built them already."""
         mapped = [s for s in seqs if s.block_table]
         if not mapped:
             return {}
         dev = pool.tag_table.device
-        pages, tags, counts = expected_tables(mapped, dev)
+        if tables is not None and len(mapped) == len(seqs):
+            pages, tags = tables
+            counts = [len(s.block_table) for s in seqs]
+        else:
+            pages, tags, counts = expected_tables(mapped, dev)
         counts_t = torch.tensor(counts, dtype=torch.int32, device=dev)
         mask = check_page_tags(pages, tags, counts_t, pool.tag_table, backend=self.backend)
         c = self.counters
@@ -132,8 +142,10 @@ class AuditTracker(TagTracker):
         start = n if table is seq.block_table else 0
         return start, min(len(seq.page_hashes), len(seq.block_table))
 
-    def check(self, seqs: list[Sequence], pool: KVPagePool) -> dict[Sequence, IntegrityError]:
-        bad = super().check(seqs, pool)
+    def check(
+        self, seqs: list[Sequence], pool: KVPagePool, tables: tuple | None = None
+    ) -> dict[Sequence, IntegrityError]:
+        bad = super().check(seqs, pool, tables)
         todo: list[tuple[Sequence, PageRef, int]] = []
         for seq in seqs:
             if seq in bad:

@@ -23,6 +23,7 @@ import uuid
 import torch
 
 from pagoda.node_agent.engine import handoff
+from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.fault_injection import make_faults
 from pagoda.node_agent.engine.integrity import IntegrityError, make_tracker, release_owned
@@ -262,14 +263,16 @@ class LLMEngine:
         if step is None:
             return outputs
         pool = self.prefill_pool if step.phase == "prefill" else self.pool
-        bad = self.integrity.check(step.seqs, pool)
+        # the step's block tables, built once: the integrity check and the model read the same ones
+        tables = block_table_tensor(step.seqs, pool.tag_table.device)
+        bad = self.integrity.check(step.seqs, pool, tables)
         if bad:
             outputs += [self._fail_integrity(seq, err) for seq, err in bad.items()]
-            step = step.excluding(bad)
+            step, tables = step.excluding(bad), None
             if step is None:
                 return outputs
         t0 = time.perf_counter()
-        sampled, errors = self._run_isolated(step, pool)
+        sampled, errors = self._run_isolated(step, pool, tables)
         self.stats.step_seconds[step.phase] += time.perf_counter() - t0
         self.stats.steps += 1
         outputs += self._fail_all(errors)
@@ -322,7 +325,7 @@ class LLMEngine:
         return outputs + self._fail_all(post_errors)
 
     def _run_isolated(
-        self, step: ScheduledStep, pool: KVPagePool
+        self, step: ScheduledStep, pool: KVPagePool, tables: tuple | None = None
     ) -> tuple[dict[Sequence, int], dict[Sequence, str]]:
         """Run the step; if it raises, re-run it in halves down to single sequences (a sequence fails
         only when it fails alone). Returns the sampled tokens and an error message per failed sequence.
@@ -334,7 +337,7 @@ class LLMEngine:
             s: s.generator.get_state() for s in step.seqs if s.generator is not None and not s.params.greedy
         }
         try:
-            return self.runner.run(step, pool), {}
+            return self.runner.run(step, pool, tables), {}
         except Exception as exc:
             first = exc
         sampled: dict[Sequence, int] = {}

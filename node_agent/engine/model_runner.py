@@ -31,6 +31,8 @@ def build_model(
         device,
         backend=config.kernel_backend,
         int4_group_size=config.int4_group_size,
+        decode_head_format="dense" if config.role == "prefill" else config.decode_lm_head,
+        head_phases_shared=config.role == "decode",
     )
 
 
@@ -48,37 +50,62 @@ class ModelRunner:
         self.device = model.device
         self.kernel_backend = kernel_backend
 
-    def build_batch(self, step: ScheduledStep, pool: KVPagePool) -> tuple[StepBatch, list[Sequence]]:
-        """Tensors for the step, and the sequences whose last new token yields a sample."""
+    def build_batch(
+        self,
+        step: ScheduledStep,
+        pool: KVPagePool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[StepBatch, list[Sequence]]:
+        """Tensors for the step, and the sequences whose last new token yields a sample.
+
+        ``tables`` are the step's block tables when the caller built them already (the integrity
+        check reads the same ones); no Python loop runs per token, only per sequence."""
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
         cu = [0]
-        ctx: list[int] = []
         logit_rows: list[int] = []
         samplers: list[Sequence] = []
-        ps = pool.page_size
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
-            for p in range(start, start + n):
-                ids.append(seq.token_at(p))
-                pos.append(p)
-                slots.append(seq.block_table[p // ps].page * ps + p % ps)
+            n_prompt = len(seq.prompt_token_ids)
+            ids += seq.prompt_token_ids[start : start + n]  # empty once past the prompt
+            if start + n > n_prompt:
+                ids += seq.output_token_ids[max(0, start - n_prompt) : start + n - n_prompt]
+            starts.append(start)
+            lens.append(n)
             cu.append(cu[-1] + n)
-            ctx.append(start + n)
             if start + n == seq.num_tokens:  # reached the newest token: sample the next one
                 logit_rows.append(cu[-1] - 1)
                 samplers.append(seq)
         dev = self.device
-        pages, _ = block_table_tensor(step.seqs, dev)
+        pages = (tables if tables is not None else block_table_tensor(step.seqs, dev))[0]
+        n_tok = cu[-1]
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        ctx = torch.tensor(starts, dtype=torch.long) + lens_t
+        if n_tok == len(lens):  # one token per sequence (a decode step)
+            row = torch.arange(len(lens))
+            pos = ctx - 1
+        else:
+            row = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+            first = torch.tensor(cu[:-1], dtype=torch.long)
+            pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - first, lens_t)
+            pos = pos + torch.arange(n_tok)
+        ps = pool.page_size
+        block = pos // ps
+        mapped = torch.tensor([len(s.block_table) for s in step.seqs], dtype=torch.long)
+        if bool((block >= mapped[row]).any()):  # never write through a table's 0-padding
+            raise RuntimeError("a scheduled token has no KV page mapped in its block table")
+        at = pages.device
+        slots = pages.long()[row.to(at), block.to(at)] * ps + (pos % ps).to(at)
         batch = StepBatch(
             phase=step.phase,
             kv=pool,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=pos.to(dev),
+            slot_mapping=slots.to(dev),
             block_tables=pages,
-            context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
+            context_lens=ctx.to(device=dev, dtype=torch.int32),
             cu_q_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kernel_backend=self.kernel_backend,
@@ -98,9 +125,14 @@ class ModelRunner:
         finally:
             pool.release_all(seq.block_table)
 
-    def run(self, step: ScheduledStep, pool: KVPagePool) -> dict[Sequence, int]:
+    def run(
+        self,
+        step: ScheduledStep,
+        pool: KVPagePool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> dict[Sequence, int]:
         """Run one step; returns the sampled token for each sequence that reached its newest token."""
-        batch, samplers = self.build_batch(step, pool)
+        batch, samplers = self.build_batch(step, pool, tables)
         if not samplers:
             self.model.forward_no_logits(batch)
             return {}

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.kernels.linear import make_linear_weight
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
@@ -26,6 +25,9 @@ from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
 from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from pagoda.node_agent.models.weight_bytes import weight_breakdown
+
+HEAD_FORMATS = ("dense", "int8", "int4")  # the decode phase's LM head (--decode-lm-head)
+HEAD_INT4_GROUP = 32
 
 
 def _to_device(v, device: torch.device):
@@ -97,6 +99,11 @@ class DecoderLayer:
     def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: str):
         cfg = self.cfg
         t = h.shape[0]
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        if self.qkv_proj is not None and self.q_norm is None:  # one RoPE over q and k heads side by side
+            qkv = self.qkv_proj(h, phase).view(t, hq + 2 * hkv, cfg.head_dim)
+            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
+            return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h, phase).split(self.qkv_sizes, dim=-1)
         else:
@@ -161,8 +168,9 @@ class LlamaForCausalLM:
         dtype: torch.dtype,
         device: torch.device,
         backend: str | None = None,
-        head_format: str = "bf16",
         int4_group_size: int | None = None,
+        decode_head_format: str = "dense",
+        head_phases_shared: bool = False,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -174,7 +182,11 @@ class LlamaForCausalLM:
         ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        self.lm_head = make_linear_weight(head, head_format, dtype, backend=backend)
+        # The LM head per phase: dense in prefill; in decode dense, int8 (per row) or int4 (group 32)
+        decode_head = "bf16" if decode_head_format == "dense" else decode_head_format
+        # (a decode-only worker runs its rare prefill-phase steps on the decode head too)
+        head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}
+        self.lm_head = PhaseLinear(head, None, head_formats, dtype, backend, group_size=HEAD_INT4_GROUP)
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
 
     @torch.inference_mode()
@@ -191,7 +203,7 @@ class LlamaForCausalLM:
         """Run one step; returns logits [len(logits_indices), vocab] in float32. ``weights_phase``
         overrides which phase's weights run (the attention path still follows ``b.phase``)."""
         x = self.norm(self.hidden(b, weights_phase)[b.logits_indices])
-        return self.lm_head.apply(x).float()
+        return self.lm_head(x, weights_phase or b.phase).float()
 
     def forward_no_logits(self, b: StepBatch) -> None:
         """A prefill chunk that samples nothing: only its KV matters."""

@@ -79,7 +79,7 @@ def weight_breakdown(model: Any) -> dict[str, Any]:
     ``mlp`` and RMSNorm attributes; ``embed``, ``lm_head``, ``norm``)."""
     tally = _Tally()
     tally.tensor("embeddings", model.embed)
-    tally.add("embeddings", model.lm_head.fmt, model.lm_head.nbytes)
+    tally.linears("embeddings", [model.lm_head])
     tally.tensor("other", model.norm.weight)
     for layer in model.layers:
         lins = layer.linears()
