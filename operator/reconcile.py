@@ -354,7 +354,7 @@ async def reconcile(
     except ApiError as err:  # no reports this pass; the figures read as zero until the next
         log.warning("cannot list pods of %s/%s: %s", ns, name, err.message)
         pods = []
-    agents = split(reports_of(pods), now, cfg.stale_after_s)
+    agents = split(reports_of(pods, now, cfg.stale_after_s), now, cfg.stale_after_s)
 
     previous_rates = {p: float((status.get(p) or {}).get("mismatchRate", 0.0) or 0.0) for p in POOLS}
     key = (ns, name)

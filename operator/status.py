@@ -17,6 +17,8 @@ from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, format_time, fro
 
 from .spec import POOLS
 
+POOL_LABEL = "pagoda.dev/pool"  # as children.POOL_LABEL
+
 Obj = dict[str, Any]
 Reports = Mapping[str, AgentReport]
 
@@ -29,14 +31,27 @@ class Agents:
     stale: dict[str, AgentReport] = field(default_factory=dict)
 
 
-def reports_of(pods: list[Obj]) -> dict[str, AgentReport]:
-    """The reports the pods carry in their annotation (pods without a readable one are left out)."""
+def reports_of(
+    pods: list[Obj], now: dt.datetime | None = None, stale_after_s: float | None = None
+) -> dict[str, AgentReport]:
+    """The reports the pods carry in their annotation. An engine pod (prefill or decode) older than
+    ``stale_after_s`` without a readable report counts as a report with no time, hence stale: an
+    agent that cannot write (RBAC, admission policy) shows up instead of vanishing. Other pods
+    without one (starting, or the router, which does not report) are left out."""
     out: dict[str, AgentReport] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
+        name = meta.get("name")
+        if not isinstance(name, str):
+            continue
         report = from_annotation((meta.get("annotations") or {}).get(REPORT_ANNOTATION))
-        if report is not None and isinstance(meta.get("name"), str):
-            out[meta["name"]] = report
+        if report is None and now is not None and stale_after_s is not None:
+            pool = (meta.get("labels") or {}).get(POOL_LABEL)
+            created = parse_time(meta.get("creationTimestamp"))
+            if pool in POOLS and created is not None and (now - created).total_seconds() > stale_after_s:
+                report = AgentReport(version=0, pool=pool)
+        if report is not None:
+            out[name] = report
     return out
 
 

@@ -111,6 +111,27 @@ def test_worst_agents_come_first_stale_then_mismatching_then_loaded() -> None:
     assert worst(agents, 3) == ["older", "old", "bad"] and worst(agents, 0) == []
 
 
+def test_an_engine_pod_that_never_reports_turns_stale() -> None:
+    """An agent that cannot write its report (RBAC, admission policy) is not invisible."""
+    kube = FakeKube()
+    body = kube.put(md(prefill={"gpus": 0}, decode={"gpus": 0}))
+    old = (NOW - dt.timedelta(seconds=300)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    young = (NOW - dt.timedelta(seconds=10)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for name, pool, created in (
+        ("d-mute", "decode", old),
+        ("d-new", "decode", young),
+        ("r-0", "router", old),
+    ):
+        p = pod(name, pool, None)
+        p["metadata"]["creationTimestamp"] = created
+        kube.put(p)
+    run(kube, body)
+    status = stored_md(kube)["status"]
+    assert set(status["agents"]) == {"d-mute"} and status["agents"]["d-mute"]["stale"] is True
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "StaleAgents" and "d-mute" in degraded["message"]
+
+
 def test_agents_of_gone_pods_leave_the_status() -> None:
     kube = FakeKube()
     body = kube.put(md(prefill={"gpus": 0}, decode={"gpus": 0}))
