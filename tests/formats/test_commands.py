@@ -75,4 +75,6 @@ def test_bench_weights_command(no_reload, tmp_path) -> None:
     }
     lin = res["linear_weight_bytes"]
     assert lin["int4"] < lin["fp8"] < lin["bf16"]
-    assert res["int4_linear_ratio_vs_true_bf16"] <= 0.3
+    # The built-in GGUF's Q4_1 blocks are kept exactly: 16 bytes of nibbles plus a 2-byte scale and
+    # a 2-byte offset per 32 weights is 5 bits a weight, 5/16 of bf16 (N padded to 16 for the kernel)
+    assert res["int4_linear_ratio_vs_true_bf16"] <= 5 / 16 + 0.002
