@@ -9,7 +9,14 @@ Each is compared with the reference (float32 dense weights, float32 KV) on the s
 * ``ppl``: perplexity of ``EVAL_TEXT`` under the format (the reference's is reported beside it);
 * ``greedy_prefix``: mean fraction of the ``max_new_tokens`` greedy tokens generated identically
   before the first divergence, over ``EVAL_PROMPTS`` (chat template); ``greedy_identical``: the
-  fraction of prompts whose greedy continuation is fully identical.
+  fraction of prompts whose greedy continuation is fully identical;
+* ``vs_baseline``: the same KL / top-1 / greedy figures against a baseline entry's run instead of
+  the float32 reference (default ``bf16/bf16``: FP8 KV judged against bf16 KV);
+* ``kv_bytes_per_token``: bytes one token costs in the decode KV pool per layer (values plus
+  per-token FP8 scales; static scales and page tags excluded).
+
+Entries with FP8 KV run once per ``kv_granularities`` entry (FP8 KV scale granularity), named
+``ENTRY[granularity]``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch.nn.functional as F
 
 from pagoda.node_agent.bench.common import EngineFactory, Log, echo, engine_factory, set_threads
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+from pagoda.node_agent.engine.kv_pool import TAG_BYTES
 
 EVAL_TEXT = (
     "Every spring the river below the old mill rises with melted snow from the northern hills. "
@@ -77,6 +85,9 @@ class EvalRow:
     greedy_prefix: float
     greedy_identical: float
     seconds: float
+    kv_scale_granularity: str | None = None
+    kv_bytes_per_token: float = 0.0
+    vs_baseline: dict | None = None
 
 
 def kl_top1(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -115,6 +126,27 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[floa
     return sum(fracs) / len(fracs), same / len(ref)
 
 
+def kv_bytes_per_token(engine) -> float:
+    """Bytes per token and layer of the engine's decode KV pool (values and per-token scales)."""
+    pool = engine.pool
+    per_page = pool.bytes_per_page(
+        pool.num_layers, pool.page_size, pool.components, pool.dtype, pool.token_scaled
+    )
+    return (per_page - TAG_BYTES) / (pool.page_size * pool.num_layers)
+
+
+def expand_entries(entries: list[str], kv_granularities: list[str] | None) -> list[tuple[str, str | None]]:
+    """(row name, FP8 KV scale granularity or None for the engine's) per run: FP8 KV entries once
+    per granularity."""
+    out: list[tuple[str, str | None]] = []
+    for e in entries:
+        if kv_granularities and "fp8_e4m3" in PhaseFormats.parse(e).as_dict().values():
+            out += [(f"{e}[{g}]", g) for g in kv_granularities]
+        else:
+            out.append((e, None))
+    return out
+
+
 def run_eval(
     make_engine: EngineFactory,
     entries: list[str],
@@ -125,8 +157,11 @@ def run_eval(
     prompts: list[str] | None = None,
     log: Log = echo,
     max_text_tokens: int | None = None,
+    baseline: str | None = "bf16/bf16",
+    kv_granularities: list[str] | None = None,
 ) -> dict:
-    """Score every entry against the float32 reference; returns the JSON-ready result."""
+    """Score every entry against the float32 reference (and the ``baseline`` entry's run, when
+    given); returns the JSON-ready result."""
     prompts = EVAL_PROMPTS if prompts is None else prompts
     t0 = time.perf_counter()
     ref = make_engine(
@@ -138,29 +173,50 @@ def run_eval(
     ref_ppl = perplexity(ref_logits, ids)
     del ref
     log(f"reference (float32 weights + KV): ppl {ref_ppl:.3f} on {len(ids)} tokens")
+
+    def run_one(entry: str, granularity: str | None) -> tuple[torch.Tensor, list[list[int]], float]:
+        kw = {"kv_scale_granularity": granularity} if granularity else {}
+        eng = make_engine(dtype=dtype, formats=PhaseFormats.parse(entry), kv_memory=kv_memory, **kw)
+        try:
+            return (
+                eng.score(ids, phase="decode"),
+                greedy_tokens(eng, prompts, max_new_tokens),
+                kv_bytes_per_token(eng),
+            )
+        finally:
+            del eng
+            gc.collect()
+
+    runs = expand_entries(entries, kv_granularities)
+    base = run_one(baseline, None) if baseline is not None else None  # first: every row compares to it
     rows: list[EvalRow] = []
-    for entry in entries:
+    for name, granularity in runs:
         t1 = time.perf_counter()
-        formats = PhaseFormats.parse(entry)
-        eng = make_engine(dtype=dtype, formats=formats, kv_memory=kv_memory)
-        logits = eng.score(ids, phase="decode")
+        entry = name.split("[")[0]
+        logits, greedy, kv_bytes = base if name == baseline else run_one(entry, granularity)
         kl, top1 = kl_top1(ref_logits, logits)
-        gp, gi = greedy_agreement(ref_greedy, greedy_tokens(eng, prompts, max_new_tokens))
+        gp, gi = greedy_agreement(ref_greedy, greedy)
         row = EvalRow(
-            entry,
-            formats.as_dict(),
+            name,
+            PhaseFormats.parse(entry).as_dict(),
             kl,
             top1,
             perplexity(logits, ids),
             gp,
             gi,
             time.perf_counter() - t1,
+            granularity,
+            kv_bytes,
         )
+        if base is not None:
+            bkl, btop1 = kl_top1(base[0], logits)
+            bgp, bgi = greedy_agreement(base[1], greedy)
+            row.vs_baseline = {"mean_kl": bkl, "top1": btop1, "greedy_prefix": bgp, "greedy_identical": bgi}
         rows.append(row)
-        del eng
-        gc.collect()
+        log(f"{name}: KL {kl:.5f} top-1 {top1:.4f} ({row.seconds:.0f} s)")
     return {
         "bench": "eval",
+        "baseline": baseline,
         "reference": {"weights": "float32", "kv": "float32", "ppl": ref_ppl},
         "dtype": dtype,
         "text_tokens": len(ids),
@@ -172,16 +228,24 @@ def run_eval(
 
 
 def format_table(result: dict) -> str:
-    """The printed table."""
-    lines = [
-        f"{'decode W/KV':<14}{'mean KL':>10}{'top-1':>8}{'ppl':>9}{'greedy prefix':>15}{'identical':>11}",
-        f"{'reference':<14}{0.0:>10.5f}{1.0:>8.3f}{result['reference']['ppl']:>9.3f}{1.0:>15.3f}{1.0:>11.3f}",
-    ]
+    """The printed table (the last columns against the baseline run, when there is one)."""
+    w = max([14, *(len(r["formats"]) + 2 for r in result["rows"])])
+    base = result.get("baseline")
+    head = f"{'decode W/KV':<{w}}{'mean KL':>10}{'top-1':>8}{'ppl':>9}{'greedy prefix':>15}{'identical':>11}"
+    head += f"{'KV B/tok':>10}"
+    if base:
+        head += f"{'KL vs ' + base:>18}{'top-1 vs base':>15}{'greedy vs base':>16}"
+    ref = result["reference"]["ppl"]
+    lines = [head, f"{'reference':<{w}}{0.0:>10.5f}{1.0:>8.3f}{ref:>9.3f}{1.0:>15.3f}{1.0:>11.3f}"]
     for r in result["rows"]:
-        lines.append(
-            f"{r['formats']:<14}{r['mean_kl']:>10.5f}{r['top1']:>8.3f}{r['ppl']:>9.3f}"
-            f"{r['greedy_prefix']:>15.3f}{r['greedy_identical']:>11.3f}"
+        line = (
+            f"{r['formats']:<{w}}{r['mean_kl']:>10.5f}{r['top1']:>8.3f}{r['ppl']:>9.3f}"
+            f"{r['greedy_prefix']:>15.3f}{r['greedy_identical']:>11.3f}{r.get('kv_bytes_per_token', 0):>10.1f}"
         )
+        vb = r.get("vs_baseline")
+        if base and vb:
+            line += f"{vb['mean_kl']:>18.5f}{vb['top1']:>15.3f}{vb['greedy_prefix']:>16.3f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -219,6 +283,8 @@ def bench_eval(
     max_text_tokens: int | None = None,
     threads: int | None = None,
     log: Log = echo,
+    baseline: str | None = "bf16/bf16",
+    kv_granularities: list[str] | None = None,
 ) -> dict:
     """``run_eval`` over one load of ``cfg.model``, KV budget ``cfg.kv_memory`` (default 64 MiB)."""
     set_threads(threads)
@@ -231,7 +297,11 @@ def bench_eval(
         prompts=EVAL_PROMPTS[:num_prompts],
         log=log,
         max_text_tokens=max_text_tokens,
+        baseline=baseline,
+        kv_granularities=kv_granularities,
     )
     result["model"] = cfg.model
+    result["kv_scale_granularity"] = cfg.kv_scale_granularity  # of rows without [granularity]
+    result["threads"] = torch.get_num_threads()
     log(format_table(result))
     return result

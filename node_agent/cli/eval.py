@@ -7,7 +7,7 @@ import argparse
 from pagoda.node_agent.bench.common import write_result
 from pagoda.node_agent.bench.evaluate import DEFAULT_FORMATS, EVAL_PROMPTS, bench_eval, plot_eval
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
-from pagoda.node_agent.engine.config import PhaseFormats
+from pagoda.node_agent.engine.config import KV_SCALE_GRANULARITIES, PhaseFormats
 
 
 def parse_format_list(text: str) -> list[str]:
@@ -21,6 +21,24 @@ def parse_format_list(text: str) -> list[str]:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
     return entries
+
+
+def parse_granularities(text: str) -> list[str]:
+    """'per-head,per-token-k' -> the FP8 KV scale granularities, each validated."""
+    out = [g.strip() for g in text.split(",") if g.strip()]
+    bad = [g for g in out if g not in KV_SCALE_GRANULARITIES]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown granularity {bad[:1] or text!r}; accepted: {', '.join(KV_SCALE_GRANULARITIES)}"
+        )
+    return out
+
+
+def parse_baseline(text: str) -> str:
+    """A format entry to compare every row with, or "none"."""
+    if text != "none":
+        parse_format_list(text)
+    return text
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -37,6 +55,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
         num_prompts=a.num_prompts,
         max_text_tokens=a.max_text_tokens,
         threads=a.threads,
+        baseline=None if a.baseline == "none" else a.baseline,
+        kv_granularities=a.kv_scale_granularities,
     )
     write_result(a.json, result, lambda p: plot_eval(p, result))
     return 0
@@ -51,6 +71,18 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         type=parse_format_list,
         default=parse_format_list(DEFAULT_FORMATS),
         help=f"comma-separated DECODE_WEIGHTS/DECODE_KV (or PW/PKV/DW/DKV); default {DEFAULT_FORMATS}",
+    )
+    e.add_argument(
+        "--baseline",
+        type=parse_baseline,
+        default="bf16/bf16",
+        help="also compare every row with this entry's run (default bf16/bf16: FP8 KV against bf16 KV); none",
+    )
+    e.add_argument(
+        "--kv-scale-granularities",
+        type=parse_granularities,
+        default=None,
+        help=f"run each FP8 KV entry once per FP8 KV scale granularity ({', '.join(KV_SCALE_GRANULARITIES)})",
     )
     e.add_argument("--max-new-tokens", type=int, default=24)
     e.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
