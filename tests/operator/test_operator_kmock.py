@@ -379,7 +379,8 @@ def test_agent_reports_aggregate_with_staleness_and_pruning(cluster: Cluster) ->
     def aggregated() -> dict | None:
         md = cluster.get(MD)
         decode = md["status"].get("decode") or {}
-        return md if decode.get("kvCapacityTokens") == 4000 else None
+        # All four reports read (a pass may run between two of the patches above).
+        return md if decode.get("kvCapacityTokens") == 4000 and decode.get("staleAgents") == 1 else None
 
     md = cluster.wait_for(aggregated, what="aggregation")
     decode, prefill = md["status"]["decode"], md["status"]["prefill"]
