@@ -49,7 +49,7 @@ def extract_pages(
     """Copy the pages' contents (every layer, per-token scales included) out of a pool, to the CPU."""
     idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=pool.device)
     layers = [{c: t[idx].cpu() for c, t in layer.items()} for layer in pool.layers]
-    static = pool.scales if pool.scales and any(pool.scales) else None  # none when all are per token
+    static = pool.static_scales if pool.static_scales and any(pool.static_scales) else None
     scales = [{c: s.cpu().clone() for c, s in layer.items()} for layer in static] if static else None
     return layers, scales
 
@@ -83,7 +83,7 @@ def migrate(
     dst_refs = dst.allocate_pages(len(refs))
     try:
         src_idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=src.device)
-        convert_into(dst, dst_refs, src.layers, src.scales, src_idx, backend)
+        convert_into(dst, dst_refs, src.layers, src.static_scales, src_idx, backend)
     except BaseException:
         dst.release_all(dst_refs)  # the source pages stay the sequence's
         raise

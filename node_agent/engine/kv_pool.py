@@ -105,9 +105,11 @@ class KVPagePool:
                 layer[page_scale_key(c)] = empty_page_scales(
                     num_pages, page_size, components[c][0], self.device
                 )
+        # static_scales: the calibrated ones only; scales: what the model reads, static or per page
+        self.static_scales: list[dict[str, torch.Tensor]] | None = None
         self.scales: list[dict[str, torch.Tensor]] | None = None
         if fp8:
-            self.scales = [
+            self.static_scales = [
                 {
                     c: torch.ones(shape[0], dtype=torch.float32, device=self.device)
                     for c, shape in components.items()
@@ -115,11 +117,10 @@ class KVPagePool:
                 }
                 for _ in range(num_layers)
             ]
-        # what the model reads per layer: the static scales, or the page scales, by component
-        self._layer_scales = [
-            {**static, **{c: layer[page_scale_key(c)] for c in self.token_scaled}}
-            for static, layer in zip(self.scales or [{}] * num_layers, self.layers, strict=True)
-        ]
+            self.scales = [
+                {c: static.get(c, layer.get(page_scale_key(c))) for c in components}
+                for static, layer in zip(self.static_scales, self.layers, strict=True)
+            ]
         self.tag_table = torch.zeros(num_pages, dtype=torch.int32, device=self.device)
         self._tags = [0] * num_pages  # host mirror; 0 = never allocated
         self.refcount = [0] * num_pages
@@ -175,7 +176,7 @@ class KVPagePool:
     def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
         """FP8 dequantization scales of one layer by component: static [heads] float32, or the
         per-token page scales [num_pages, page_size, heads] ({} for unscaled pages)."""
-        return self._layer_scales[layer]
+        return self.scales[layer] if self.scales is not None else {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -184,7 +185,7 @@ class KVPagePool:
     @property
     def total_bytes(self) -> int:
         data = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
-        scales = sum(t.numel() * 4 for layer in (self.scales or []) for t in layer.values())
+        scales = sum(t.numel() * 4 for layer in (self.static_scales or []) for t in layer.values())
         return data + scales + self.tag_table.numel() * TAG_BYTES
 
     @property

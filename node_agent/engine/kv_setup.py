@@ -117,7 +117,7 @@ class PoolBuilder:
             name=name,
             token_scaled=tok,
         )
-        if pool.scales is not None and any(pool.scales):
+        if pool.static_scales is not None and any(pool.static_scales):
             self.calibrate(pool)
         return pool
 
@@ -139,7 +139,7 @@ class PoolBuilder:
         self.runner.score(ids, tmp, phase="prefill")
         per_tensor = self.config.kv_scale_granularity == "per-tensor"
         calibrate = calibrate_tensor_scales if per_tensor else calibrate_head_scales
-        for layer, scales in zip(tmp.layers, pool.scales, strict=True):
+        for layer, scales in zip(tmp.layers, pool.static_scales, strict=True):
             for c, scale in scales.items():
                 scale.copy_(calibrate(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM))
         log.info(

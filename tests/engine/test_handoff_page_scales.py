@@ -40,7 +40,7 @@ def filled_bf16(n_pages: int = 2):
 
 
 def calibrate(p: KVPagePool, src: KVPagePool) -> None:
-    for layer, scales in zip(src.layers, p.scales, strict=True):
+    for layer, scales in zip(src.layers, p.static_scales, strict=True):
         for c, s in scales.items():
             s.copy_(calibrate_head_scales(layer[c].flatten(0, 1), 1.5))
 
@@ -57,7 +57,7 @@ def dequant(p: KVPagePool, refs, layer: int, c: str) -> torch.Tensor:
 @pytest.mark.parametrize("dst_tok", [("k",), ()])
 def test_migration_between_granularities(dst_tok):
     """bf16 -> per-token-k fp8 -> (per-token-k | per-head) fp8 -> bf16: values stay within e4m3's
-    rounding, and page-scale rows move with their pages."""
+    rounding (twice it when the scales change), and page-scale rows move with their pages."""
     src, refs = filled_bf16()
     want = {c: dequant(src, refs, 1, c) for c in ("k", "v")}
     a = pool()
@@ -66,10 +66,11 @@ def test_migration_between_granularities(dst_tok):
     b = pool(token_scaled=dst_tok)
     calibrate(b, src)
     b_refs = handoff.migrate(a, b, a_refs)
-    for p, r in ((a, a_refs), (b, b_refs)):
+    # e4m3 rounds to within half a step (2**-4 relative); a change of scales rounds again
+    for p, r, rel in ((a, a_refs, 0.07), (b, b_refs, 0.07 if dst_tok else 0.13)):
         for c in ("k", "v"):
             got = dequant(p, r, 1, c)
-            assert ((got - want[c]).abs() <= want[c].abs() * 0.07 + 0.02).all(), (c, dst_tok)
+            assert ((got - want[c]).abs() <= want[c].abs() * rel + 0.02).all(), (c, dst_tok)
     if dst_tok:  # fp8 -> fp8 with per-token scales on both sides: bytes and scale rows copied
         for la, lb in zip(a.layers, b.layers, strict=True):
             ia, ib = [r.page for r in a_refs], [r.page for r in b_refs]

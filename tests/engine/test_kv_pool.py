@@ -130,7 +130,8 @@ def test_per_token_k_scales_live_beside_the_pages_and_keep_195x():
         ks = pool.layer_cache(layer)["k.scale"]
         assert ks.shape == (n_tok, 16, 3) and ks.dtype == torch.bfloat16
         scales = pool.layer_scales(layer)
-        assert scales["k"] is ks and scales["v"].shape == (3,) and set(pool.scales[layer]) == {"v"}
+        assert scales["k"] is ks and scales["v"].shape == (3,) and set(pool.static_scales[layer]) == {"v"}
+        assert pool.scales[layer] is scales
 
 
 def test_token_scaled_needs_fp8_and_a_known_component():
