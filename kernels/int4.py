@@ -275,10 +275,8 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         qw._need_canonical()
         out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias, mins=qw.mins)
     elif be == "cpu":
-        out = cpu_int4_mm(x2, qw).float()
-        if bias is not None:
-            out = out + bias.float()
-        out = out.to(x.dtype)
+        out = cpu_int4_mm(x2, qw)
+        out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)
     else:
         out = F.linear(x2.float(), dequantize_int4(qw), None if bias is None else bias.float()).to(x.dtype)
     return out.reshape(*lead, n)
@@ -286,9 +284,9 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
 
 def cpu_int4_mm(x: Tensor, qw: Int4Weight, dtype: torch.dtype = CPU_COMPUTE_DTYPE) -> Tensor:
     """``x [M, K] @ dequant(qw).T`` with torch's CPU int4pack kernel, computed in ``dtype``."""
-    packed, sz = qw.cpu_layout(dtype)
+    packed, sz = qw._cpu.get(dtype) or qw.cpu_layout(dtype)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dtype).contiguous(), packed, qw.group_size, sz)
-    return out[:, : qw.out_features]
+    return out if packed.shape[0] == qw.out_features else out[:, : qw.out_features]
 
 
 def _cpu_op_ok(x: Tensor, qw: Int4Weight) -> bool:

@@ -154,6 +154,8 @@ def make_linear_weight(
     if fmt == "int4":
         g = pick_group_size(w.shape[1], group_size or 128)  # the largest allowed group dividing K
         return Int4Linear(quantize_int4(w, g), dtype, bias, backend)
-    if fmt == "int8" and bias is None:
+    if fmt == "int8":
+        if bias is not None:
+            raise ValueError("the int8 format (a decode LM head) takes no bias")
         return Int8Linear(Int8Weight.quantize(w), dtype, backend)
     raise ValueError(f"unknown weight format {fmt!r}; accepted formats: {', '.join(FORMATS)}")

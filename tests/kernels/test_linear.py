@@ -63,5 +63,7 @@ def test_int4_bf16_compute_dtype_roundtrips_state():
 
 
 def test_unknown_format():
-    with pytest.raises(ValueError, match="bf16, fp32, fp8, int4"):
-        make_linear_weight(torch.randn(2, 2), "int8", torch.float32)
+    with pytest.raises(ValueError, match="bf16, fp32, fp8, int4, int8"):
+        make_linear_weight(torch.randn(2, 2), "int3", torch.float32)
+    with pytest.raises(ValueError, match="no bias"):
+        make_linear_weight(torch.randn(2, 2), "int8", torch.float32, bias=torch.zeros(2))
