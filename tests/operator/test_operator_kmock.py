@@ -516,7 +516,8 @@ def test_a_stalled_new_pair_is_degraded_and_the_old_pair_keeps_serving(cluster: 
     for role in ("prefill", "decode", "router"):
         set_ready(cluster, role, 1)
     update_spec(cluster, {"decode": {"gpus": 0, "weightFormat": "bf16"}})  # a weight format change too
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="green decode")
+    for pool in ("decode", "prefill"):  # the pass creates them one after the other
+        cluster.wait_for(lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}-green"), what=f"green {pool}")
     stuck = {
         "type": "Progressing",
         "status": "False",
@@ -779,7 +780,8 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
     cluster.delete(INTERNAL)
     cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret recreated")
     update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "fp8_e4m3"}})  # blue/green
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="the new pair")
+    for pool in ("decode", "prefill"):  # the pass creates them one after the other
+        cluster.wait_for(lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}-green"), what=f"green {pool}")
     set_ready_named(cluster, "smollm-prefill-green", 1)
     set_ready_named(cluster, "smollm-decode-green", 2)
     cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="the old pair removed", timeout=30)
