@@ -53,6 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the decode phase's LM head: dense (the compute dtype), int8 (per row) or int4 (group 32)",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the decode step's elementwise glue at load (falls back to eager, saying why)",
+    )
+    p.add_argument(
         "--kv-scale-granularity",
         choices=KV_SCALE_GRANULARITIES,
         default="per-token-k",
@@ -88,6 +93,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,
         decode_lm_head=getattr(a, "decode_lm_head", "dense"),
+        compile=getattr(a, "compile", False),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
     )
 
@@ -112,4 +118,6 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
             out += [flag, str(v)]
     if getattr(a, "no_prefix_caching", False):
         out.append("--no-prefix-caching")
+    if getattr(a, "compile", False):
+        out.append("--compile")
     return out

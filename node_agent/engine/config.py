@@ -131,6 +131,7 @@ class EngineConfig:
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
     decode_lm_head: str = "dense"  # the decode phase's LM head: dense | int8 | int4 (group 32)
+    compile: bool = False  # torch.compile the decode glue at load (models/step_ops.py)
     kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references

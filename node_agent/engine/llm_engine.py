@@ -38,6 +38,7 @@ from pagoda.node_agent.engine.sequence import CapacityError, RequestError, Sampl
 from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.loader import LoadedModel, load_model
+from pagoda.node_agent.models.step_ops import enable_compile
 from pagoda.node_agent.models.tokenizer import Tokenizer
 
 log = logging.getLogger("pagoda.engine")
@@ -77,6 +78,9 @@ class LLMEngine:
         del loaded
         self.max_model_len = context_limit(config, self.model_config)
         self.runner = ModelRunner(self.model, config.kernel_backend)
+        if config.compile:  # at load, so that the first request does not pay it
+            mc = self.model_config
+            enable_compile(self.device, self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         mc = self.model_config
         builder = PoolBuilder(
             config, mc, self.dtype, self.device, self.runner, self.tokenizer, self.max_model_len

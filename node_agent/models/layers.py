@@ -10,6 +10,7 @@ from torch import nn
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
+from pagoda.node_agent.models.step_ops import OPS
 
 PHASES = ("prefill", "decode")
 
@@ -19,6 +20,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+
+    def args(self) -> tuple[torch.Tensor, float]:
+        return self.weight, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
@@ -148,7 +152,5 @@ class DenseMLP:
 
     def __call__(self, h: torch.Tensor, phase: str) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(h, phase).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(h, phase), self.up_proj(h, phase)
-        return self.down_proj(F.silu(gate) * up, phase)
+            return self.down_proj(OPS["swiglu"](self.gate_up_proj(h, phase)), phase)
+        return self.down_proj(F.silu(self.gate_proj(h, phase)) * self.up_proj(h, phase), phase)

@@ -24,6 +24,7 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
 from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
+from pagoda.node_agent.models.step_ops import OPS
 from pagoda.node_agent.models.weight_bytes import weight_breakdown
 
 HEAD_FORMATS = ("dense", "int8", "int4")  # the decode phase's LM head (--decode-lm-head)
@@ -101,9 +102,7 @@ class DecoderLayer:
         t = h.shape[0]
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         if self.qkv_proj is not None and self.q_norm is None:  # one RoPE over q and k heads side by side
-            qkv = self.qkv_proj(h, phase).view(t, hq + 2 * hkv, cfg.head_dim)
-            qk = apply_rope(qkv[:, : hq + hkv], cos, sin)
-            return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :]
+            return OPS["rope_qk"](self.qkv_proj(h, phase), cos, sin, hq, hkv, cfg.head_dim)
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(h, phase).split(self.qkv_sizes, dim=-1)
         else:
@@ -153,8 +152,8 @@ class DecoderLayer:
                 vs,
                 backend=b.kernel_backend,
             )
-        x = x + self.o_proj(o.reshape(x.shape[0], -1), phase)
-        return x + self.mlp(self.post_norm(x), phase)
+        x, h = OPS["add_rms_norm"](x, self.o_proj(o.reshape(x.shape[0], -1), phase), *self.post_norm.args())
+        return x + self.mlp(h, phase)
 
 
 class LlamaForCausalLM:
