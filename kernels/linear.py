@@ -105,8 +105,9 @@ class Int4Linear:
         return self.weight.nbytes + _bias_bytes(self.bias)
 
     def apply(self, x: Tensor) -> Tensor:
-        y = int4_linear(x.to(self.dtype), self.weight, self.bias, self.backend)
-        return y.to(x.dtype)
+        if x.dtype == self.dtype:  # the usual case: skip two no-op conversions per call
+            return int4_linear(x, self.weight, self.bias, self.backend)
+        return int4_linear(x.to(self.dtype), self.weight, self.bias, self.backend).to(x.dtype)
 
 
 class Int8Linear:
