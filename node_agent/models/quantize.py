@@ -101,6 +101,16 @@ def _already(w: object, fmt: str) -> bool:
     return isinstance(w, Int4Weight) if fmt == "int4" else isinstance(w, Fp8Weight)
 
 
+def _compact(part: str, t: torch.Tensor) -> torch.Tensor:
+    """INT4 scales / mins as float16 on disk when that loses nothing (GGUF Q4_0/Q4_1 blocks and
+    GPTQ/AWQ scales come from float16); the loader reads them back as float32."""
+    if part in ("scales", "mins") and t.dtype == torch.float32:
+        half = t.half()
+        if torch.equal(half.float(), t):
+            return half
+    return t
+
+
 def _dense(w: object) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w.dequantize()
 
@@ -186,9 +196,9 @@ def quantize_checkpoint(
         report.linear_params += q.out_features * q.in_features
         for part, t in state_of(q).items():
             key = f"{name}.{part}"
-            tensors[key] = t.contiguous()
+            tensors[key] = _compact(part, t).contiguous()
             stored[key] = name
-            report.linear_bytes_quant += t.nbytes
+            report.linear_bytes_quant += tensors[key].nbytes
         entries[name] = meta_of(q)
     for name, t in loaded.weights.items():
         if name not in entries:

@@ -35,6 +35,14 @@ def tiny_dir(tmp_path_factory, builtin_tokenizer):
     return path
 
 
+def _shapes(model) -> list[tuple[int, int]]:
+    return [
+        tuple(t.shape)
+        for n, t in model.state_dict().items()
+        if n.startswith("model.layers.") and n.endswith("_proj.weight")
+    ]
+
+
 def _mse(w: torch.Tensor, q: Int4Weight) -> float:
     return float((w - q.dequantize()).pow(2).mean())
 
@@ -156,6 +164,8 @@ def test_int4_source_is_written_through_unchanged(tmp_path, builtin_tokenizer):
     report = quantize_checkpoint(str(src), "int4", tmp_path / "out", group_size=32, progress=False)
     assert report.passthrough == 14 and report.group_sizes == {64: 14} and report.zero_forms == {"int": 14}
     assert "written through unchanged" in format_report(report)
+    # float16 scales stay float16 on disk (exact), integer zeros one byte each: K/2 + 2G + G per row
+    assert report.linear_bytes_quant == sum(n * (k // 2 + 3 * k // 64) for n, k in _shapes(model))
     after = load_model(str(tmp_path / "out")).weights
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
         a, b = before[name], after[name]
