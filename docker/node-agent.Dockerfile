@@ -13,10 +13,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_CACHE_D
     TOKENIZERS_PARALLELISM=false VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 
 # The CUDA base (Ubuntu 24.04) brings Python 3.12 through apt; python:3.11-slim has it already.
-RUN if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then \
-        apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
-        && rm -rf /var/lib/apt/lists/*; \
+# A C compiler: Triton builds its launcher with it, and on CPUs the exact float32 INT4 kernel
+# (kernels/cpu_int4.c) is compiled on the host that runs it, at first use (-march=native).
+RUN apt-get update \
+ && if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then \
+        apt-get install -y --no-install-recommends python3 python3-venv; \
     fi \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 
 # torch first, from the index of the image's kind (CUDA or CPU); the engine extra's torch>=2.13,<2.14

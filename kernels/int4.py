@@ -71,6 +71,10 @@ class Int4Weight:
     zeros: Tensor | None
     mins: Tensor | None = None
     _cpu: dict[torch.dtype, tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+    # "float32": float32 activations on the CPU run the exact native kernel (cpu_int4.c) over the
+    # canonical tensors; "bf16": torch's int4pack op with bf16 activations, scales and offsets
+    cpu_compute: str = "bf16"
+    _offsets: Tensor | None = field(default=None, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -79,6 +83,8 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         total = sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.mins) if t is not None)
+        if self._offsets is not None and self._offsets is not self.mins:
+            total += self._offsets.nbytes
         for packed, sz in self._cpu.values():
             total += packed.nbytes + sz.nbytes
         return total
@@ -123,9 +129,19 @@ class Int4Weight:
             self._cpu[dtype] = (packed, sz)
         return self._cpu[dtype]
 
+    def native_offsets(self) -> Tensor:
+        """float32 offsets kept for the native float32 kernel (the mins themselves when float-zero)."""
+        if self._offsets is None:
+            self._offsets = self.offsets().contiguous()
+        return self._offsets
+
     def prepare(self, backend: str, dtype: torch.dtype = torch.float32, keep_canonical: bool = True) -> None:
-        """Build the layout ``backend`` reads; optionally free the canonical tensors (CPU only)."""
+        """Build the layout ``backend`` reads; optionally free the canonical tensors (CPU only).
+        With ``cpu_compute == "float32"`` the canonical tensors are what the CPU reads: kept."""
         if backend != "cpu":
+            return
+        if self.cpu_compute == "float32":
+            self.native_offsets()
             return
         self.cpu_layout(dtype)
         if not keep_canonical:
@@ -275,7 +291,13 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         qw._need_canonical()
         out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias, mins=qw.mins)
     elif be == "cpu":
-        out = cpu_int4_mm(x2, qw)
+        out = None
+        if qw.cpu_compute == "float32" and x2.dtype == torch.float32 and qw.packed is not None:
+            from .cpu_int4_native import native_int4_mm
+
+            out = native_int4_mm(x2, qw.packed, qw.scales, qw.native_offsets(), qw.group_size)
+        if out is None:  # bf16 compute asked for, or the native kernel is unavailable (logged once)
+            out = cpu_int4_mm(x2, qw)
         out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)
     else:
         out = F.linear(x2.float(), dequantize_int4(qw), None if bias is None else bias.float()).to(x.dtype)

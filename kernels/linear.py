@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -15,6 +17,29 @@ from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, q
 from .int8 import Int8Weight, int8_linear
 
 FORMATS = ("bf16", "fp32", "fp8", "int4", "int8")
+INT4_COMPUTES = ("float32", "bf16")
+# How INT4 layers built from now on compute on a CPU with float32 activations (``int4_cpu_compute``):
+# "float32" runs the exact native kernel, "bf16" torch's faster int4pack op with bf16 rounding.
+INT4_CPU_COMPUTE = "float32"
+
+
+@contextmanager
+def int4_cpu_compute(mode: str) -> Iterator[None]:
+    """INT4 layers built inside compute in ``mode`` on the CPU (the engine's ``--int4-compute``)."""
+    global INT4_CPU_COMPUTE
+    if mode not in INT4_COMPUTES:
+        raise ValueError(f"int4 compute must be one of {', '.join(INT4_COMPUTES)}, got {mode!r}")
+    saved, INT4_CPU_COMPUTE = INT4_CPU_COMPUTE, mode
+    try:
+        yield
+    finally:
+        INT4_CPU_COMPUTE = saved
+
+
+def native_available() -> bool:
+    from .cpu_int4_native import library
+
+    return library() is not None
 
 
 @runtime_checkable
@@ -96,9 +121,16 @@ class Int4Linear:
         self.backend = backend
         device = weight.packed.device
         if select_backend(device, backend) == "cpu" and device.type == "cpu":
-            # Keep only torch's CPU int4pack layout (bf16 scales/zeros) resident; the canonical
-            # tensors are recoverable from it (scales rounded to bf16).
-            weight.prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=False)
+            weight.cpu_compute = (
+                "float32" if dtype == torch.float32 and INT4_CPU_COMPUTE == "float32" else "bf16"
+            )
+            if weight.cpu_compute == "float32" and native_available():
+                weight.prepare("cpu")  # the exact native kernel reads the canonical tensors
+            else:
+                # Keep only torch's CPU int4pack layout (bf16 scales/zeros) resident; the canonical
+                # tensors are recoverable from it (scales rounded to bf16).
+                weight.cpu_compute = "bf16"
+                weight.prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=False)
 
     @property
     def nbytes(self) -> int:

@@ -53,6 +53,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the decode phase's LM head: dense (the compute dtype), int8 (per row) or int4 (group 32)",
     )
     p.add_argument(
+        "--int4-compute",
+        choices=("float32", "bf16"),
+        default="float32",
+        help="CPU INT4 GEMMs with float32 activations: float32 (exact, a native kernel) or bf16 "
+        "(torch's int4pack op, faster, rounds activations and scales to bf16)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="torch.compile the decode step's elementwise glue at load (falls back to eager, saying why)",
@@ -94,6 +101,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kernel_backend=a.kernels,
         decode_lm_head=getattr(a, "decode_lm_head", "dense"),
         compile=getattr(a, "compile", False),
+        int4_compute=getattr(a, "int4_compute", "float32"),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
     )
 
@@ -105,6 +113,7 @@ SERVER_ENGINE_FLAGS = {
     "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
     "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
     "integrity": "--integrity", "kernels": "--kernels", "decode_lm_head": "--decode-lm-head",
+    "int4_compute": "--int4-compute",
     "kv_scale_granularity": "--kv-scale-granularity",
 }  # fmt: skip
 

@@ -132,6 +132,7 @@ class EngineConfig:
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
     decode_lm_head: str = "dense"  # the decode phase's LM head: dense | int8 | int4 (group 32)
     compile: bool = False  # torch.compile the decode glue at load (models/step_ops.py)
+    int4_compute: str = "float32"  # CPU INT4 with float32 activations: float32 (exact) | bf16 (faster)
     kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
@@ -147,6 +148,8 @@ class EngineConfig:
             )
         if self.role not in ENGINE_ROLES:
             raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
+        if self.int4_compute not in ("float32", "bf16"):
+            raise ConfigError(f"int4 compute must be float32 or bf16, got {self.int4_compute!r}")
         if self.decode_lm_head not in ("dense", "int8", "int4"):
             raise ConfigError(f"decode LM head must be dense, int8 or int4, got {self.decode_lm_head!r}")
         if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.kernels.linear import int4_cpu_compute
 from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.kv_pool import KVPagePool
@@ -23,6 +24,13 @@ def build_model(
     formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
     if config.role in formats:
         formats = dict.fromkeys(formats, formats[config.role])
+    with int4_cpu_compute(config.int4_compute):
+        return _build(config, loaded, formats, dtype, device)
+
+
+def _build(
+    config: EngineConfig, loaded: LoadedModel, formats: dict, dtype: torch.dtype, device: torch.device
+):
     return LlamaForCausalLM(
         loaded.config,
         loaded.weights,

@@ -200,3 +200,52 @@ def test_triton_int4_float_zero(m):
     qd = Int4Weight.from_state({kk: v.to(DEVICE) for kk, v in qw.state().items()}, qw.meta())
     out = int4_linear(x.to(DEVICE), qd, backend="triton").cpu()
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("g,sym", [(32, False), (64, True), (128, False)])
+def test_native_float32_kernel_matches_reference(m, g, sym):
+    """The float32 CPU kernel (cpu_int4.c, built at run time) against the reference dequant + matmul."""
+    from pagoda.kernels.cpu_int4_native import native_int4_mm, status
+
+    qw, x, _ = _case(m, 40, 256, g, sym, seed=m)
+    y = native_int4_mm(x, qw.packed, qw.scales, qw.offsets().contiguous(), g)
+    if y is None:
+        pytest.skip(f"native INT4 kernel unavailable here: {status['reason']}")
+    ref = x @ dequantize_int4(qw).t()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    fz, w = _float_zero_case(24, 96, 32, seed=m)
+    y = native_int4_mm(x[:, :96].contiguous(), fz.packed, fz.scales, fz.mins, 32)
+    torch.testing.assert_close(y, x[:, :96] @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_int4_linear_compute_modes(monkeypatch, tmp_path):
+    """float32 compute runs the native kernel over the canonical tensors; bf16 (or no compiler) the
+    int4pack op over bf16 copies, so only the float32 path agrees with the reference to 1e-5."""
+    from pagoda.kernels import cpu_int4_native
+    from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
+
+    w, x = torch.randn(48, 128), torch.randn(3, 128)
+    ref = x @ dequantize_int4(quantize_int4(w, 32)).t()
+    with int4_cpu_compute("float32"):
+        exact = make_linear_weight(w, "int4", torch.float32, group_size=32)
+    if exact.weight.cpu_compute == "float32":
+        assert exact.weight.packed is not None and not exact.weight._cpu  # canonical tensors, no copy
+        torch.testing.assert_close(exact.apply(x), ref, rtol=1e-5, atol=1e-5)
+    with int4_cpu_compute("bf16"):
+        fast = make_linear_weight(w, "int4", torch.float32, group_size=32)
+    assert fast.weight.cpu_compute == "bf16" and fast.weight.packed is None  # only the int4pack layout
+    assert rel_err(fast.apply(x), ref) < 1e-2
+    with pytest.raises(ValueError, match="float32, bf16"):
+        with int4_cpu_compute("fp16"):
+            pass
+    # no compiler: the float32 request falls back to the bf16 op, saying why (status)
+    monkeypatch.setattr(cpu_int4_native, "_lib", None)
+    monkeypatch.setitem(cpu_int4_native.status, "reason", "not built yet")
+    monkeypatch.setitem(cpu_int4_native.status, "loaded", False)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
+    with int4_cpu_compute("float32"):
+        fallback = make_linear_weight(w, "int4", torch.float32, group_size=32)
+    assert fallback.weight.cpu_compute == "bf16" and cpu_int4_native.status["loaded"] is False
+    assert rel_err(fallback.apply(x), ref) < 1e-2

@@ -22,10 +22,13 @@ def test_make_linear_weight_formats(fmt):
         "bf16": 32 * 128 * 4 + 32 * 4,
         "fp32": 32 * 128 * 4 + 32 * 4,
         "fp8": 32 * 128 + 32 * 4 + 32 * 4,
-        # CPU backend: only torch's int4pack layout stays resident: packed nibbles [N, K/2] and
-        # scales_and_zeros [K/group, N, 2] bf16 (canonical packed/scales/zeros are dropped).
-        "int4": 32 * 64 + 2 * 32 * 2 * 2 + 32 * 4,
+        # CPU backend, float32 compute (the default): the exact native kernel reads the canonical
+        # packed nibbles [N, K/2], float32 scales and uint8 zeros, plus float32 offsets [N, K/group]
+        "int4": 32 * 64 + 32 * 2 * 4 + 32 * 2 + 32 * 2 * 4 + 32 * 4,
     }[fmt]
+    if fmt == "int4" and lw.weight.cpu_compute == "bf16":  # no C compiler here: torch's int4pack
+        # layout alone stays resident: packed [N, K/2] and scales_and_zeros [K/group, N, 2] bf16
+        expected_bytes = 32 * 64 + 2 * 32 * 2 * 2 + 32 * 4
     assert lw.nbytes == expected_bytes
 
 

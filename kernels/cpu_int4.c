@@ -1,0 +1,109 @@
+/* Float32 INT4 GEMM for CPUs: y[M, N] = x[M, K] @ dequant(W)^T, exact float32 arithmetic.
+ *
+ * W is the canonical layout of kernels/int4.py: packed uint8 [N, K/2] (weight k = 2j in the low
+ * nibble of byte j, k = 2j + 1 in the high one), scales and offsets float32 [N, K/group], with
+ * w = q * scale + offset (every zero-point form reduces to this). Each thread dequantizes one row
+ * of W at a time into float32 buffers of its even and odd k (AVX-512 where the CPU has it; the
+ * nibbles never need interleaving), shared by every row of x, then takes M dot products against x
+ * split the same way once per call. Built at run time
+ * by kernels/cpu_int4_native.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
+static void dequant_row(const uint8_t *p, const float *s, const float *o, int64_t k, int64_t group, float *we,
+                        float *wo) {
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const float sc = s[g0 / group], of = o[g0 / group];
+        const uint8_t *pb = p + g0 / 2;
+        float *e = we + g0 / 2, *d = wo + g0 / 2;
+        int64_t j = 0;
+#ifdef __AVX512F__
+        /* the group's 16 possible weights, q * s + o (two roundings, as the reference), looked up
+         * by nibble: one permute per 16 weights instead of a convert, a multiply and an add */
+        const __m512 table = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(sc)),
+            _mm512_set1_ps(of));
+        const __m128i low = _mm_set1_epi8(15);
+        for (; j + 16 <= group / 2; j += 16) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(pb + j));
+            const __m512i qe = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
+            const __m512i qo = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
+            _mm512_storeu_ps(e + j, _mm512_permutexvar_ps(qe, table));
+            _mm512_storeu_ps(d + j, _mm512_permutexvar_ps(qo, table));
+        }
+#endif
+        for (; j < group / 2; j++) {
+            const uint8_t b = pb[j];
+            e[j] = (float)(b & 15) * sc + of;
+            d[j] = (float)(b >> 4) * sc + of;
+        }
+    }
+}
+
+/* out[i * stride] = sum_j we[j] * xe[i][j] + wo[j] * xo[i][j] for the rows i < rows (at most 4) of
+ * x; four rows share each load of the weights. */
+static void dot_rows(const float *we, const float *wo, const float *xe, const float *xo, int64_t h, int rows,
+                     float *out, int64_t stride) {
+    int64_t j = 0;
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifdef __AVX512F__
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; j + 16 <= h; j += 16) {
+        const __m512 a = _mm512_loadu_ps(we + j), c = _mm512_loadu_ps(wo + j);
+        for (int i = 0; i < rows; i++) {
+            acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(xe + i * h + j), acc[i]);
+            acc[i] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xo + i * h + j), acc[i]);
+        }
+    }
+    for (int i = 0; i < rows; i++) sum[i] = _mm512_reduce_add_ps(acc[i]);
+#endif
+    for (int i = 0; i < rows; i++) {
+        for (int64_t t = j; t < h; t++) sum[i] += we[t] * xe[i * h + t] + wo[t] * xo[i * h + t];
+        out[i * stride] = sum[i];
+    }
+}
+
+int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const float *scales,
+                         const float *offsets, int64_t n, int64_t group, float *y, int threads) {
+    if (k % group || group % 2) return 1;
+    const int64_t groups = k / group, h = k / 2;
+    float *xe = (float *)malloc(sizeof(float) * (size_t)(m * h));
+    float *xo = (float *)malloc(sizeof(float) * (size_t)(m * h));
+    if (!xe || !xo) {
+        free(xe);
+        free(xo);
+        return 2;
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < h; j++) {
+            xe[i * h + j] = x[i * k + 2 * j];
+            xo[i * h + j] = x[i * k + 2 * j + 1];
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)k);
+        if (!w) {
+#pragma omp atomic write
+            failed = 2;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                dequant_row(packed + r * h, scales + r * groups, offsets + r * groups, k, group, w, w + h);
+                for (int64_t i = 0; i < m; i += 4) {
+                    const int rows = m - i < 4 ? (int)(m - i) : 4;
+                    dot_rows(w, w + h, xe + i * h, xo + i * h, h, rows, y + i * n + r, n);
+                }
+            }
+            free(w);
+        }
+    }
+    free(xe);
+    free(xo);
+    return failed;
+}

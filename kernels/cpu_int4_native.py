@@ -1,0 +1,114 @@
+"""The float32 INT4 GEMM of ``cpu_int4.c``: built once per machine with the system C compiler and
+called through ctypes.
+
+``native_int4_mm`` returns None when the library cannot be built or loaded (no compiler, a build
+error); the caller then runs another path, and the reason is logged once and kept in ``status``.
+The shared object is cached under ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda``),
+keyed by the source's hash, the compiler and its flags and the CPU's feature flags (it is built
+with ``-march=native``); ``PAGODA_NATIVE_INT4=0`` turns the path off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("pagoda.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_int4.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+status: dict[str, object] = {"loaded": False, "reason": "not built yet"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGODA_CACHE_DIR", str(Path.home() / ".cache" / "pagoda"))
+    return Path(root) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    # -march=native: the object is only valid on this CPU model, so its flags are part of the key
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_int4-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            proc = subprocess.run(
+                [cc, *FLAGS, str(SOURCE), "-o", str(tmp_out)], capture_output=True, text=True, timeout=120
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp_out, out)  # atomic: concurrent workers never load half a file
+    lib = ctypes.CDLL(str(out))
+    fn = lib.pagoda_int4_gemm_f32
+    fn.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    return lib
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, building it on first use; None (reason in ``status``) if unavailable."""
+    global _lib
+    if _lib is not None or status["reason"] not in ("not built yet",):
+        return _lib
+    with _lock:
+        if _lib is None and status["reason"] == "not built yet":
+            if os.environ.get("PAGODA_NATIVE_INT4", "1") == "0":
+                status.update(loaded=False, reason="disabled by PAGODA_NATIVE_INT4=0")
+            else:
+                try:
+                    _lib = _build()
+                    status.update(loaded=True, reason="")
+                except Exception as exc:  # no compiler, a build or load error: another path runs
+                    status.update(loaded=False, reason=f"{type(exc).__name__}: {exc}")
+                    log.warning(
+                        "float32 INT4 CPU kernel unavailable (%s); using torch's bf16 one", status["reason"]
+                    )
+    return _lib
+
+
+def native_int4_mm(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, group: int) -> Tensor | None:
+    """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    m, k = x.shape
+    n = packed.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.pagoda_int4_gemm_f32(
+        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), n, group,
+        y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"native INT4 kernel failed (code {rc}) for K={k}, group={group}")
+    return y
