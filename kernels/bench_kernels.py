@@ -18,7 +18,8 @@ from torch import Tensor
 from .dispatch import select_backend
 from .fp8 import Fp8Weight
 from .fp8_format import FP8_DTYPE, FP8_MAX, amax_scale, quantize_fp8
-from .int4 import pick_group_size, quantize_int4
+from .int4 import Int4Weight, pick_group_size, quantize_int4
+from .linear import native_available
 from .moe import fused_moe, make_expert_stack
 from .paged_attention import calibrate_kv_scales, paged_decode_attention, write_kv
 
@@ -75,6 +76,10 @@ def bench_gemms(
                 "int4_us": _time(partial(q4.apply, x), device, repeat),
                 "fp8_us": _time(partial(f8.apply, x), device, repeat),
             }
+            if device.type == "cpu" and dtype == torch.float32 and native_available():
+                exact = Int4Weight.from_state(q4.state(), q4.meta())
+                exact.cpu_compute = "float32"  # the exact float32 kernel (cpu_int4.c); int4_us is bf16
+                row["int4_f32_us"] = _time(partial(exact.apply, x), device, repeat)
             if dtype != torch.bfloat16:  # CPUs: also show bf16 dense, the format INT4 replaces on GPUs
                 xb, wb = x.bfloat16(), dense.bfloat16()
                 row["dense_bf16_us"] = _time(partial(torch.matmul, xb, wb.T), device, repeat)

@@ -1,8 +1,9 @@
 /* Float32 INT4 GEMM for CPUs: y[M, N] = x[M, K] @ dequant(W)^T, exact float32 arithmetic.
  *
  * W is the canonical layout of kernels/int4.py: packed uint8 [N, K/2] (weight k = 2j in the low
- * nibble of byte j, k = 2j + 1 in the high one), scales and offsets float32 [N, K/group], with
- * w = q * scale + offset (every zero-point form reduces to this). Each thread dequantizes one row
+ * nibble of byte j, k = 2j + 1 in the high one), scales and offsets [N, K/group] in float32, or in
+ * float16 (half = 1) when that holds them exactly (GGUF Q4_0/Q4_1), with w = q * scale + offset
+ * (every zero-point form reduces to this). Each thread dequantizes one row
  * of W at a time into float32 buffers of its even and odd k (AVX-512 where the CPU has it; the
  * nibbles never need interleaving), shared by every row of x, then takes M dot products against x
  * split the same way once per call. Built at run time
@@ -10,15 +11,22 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 /* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
-static void dequant_row(const uint8_t *p, const float *s, const float *o, int64_t k, int64_t group, float *we,
-                        float *wo) {
+static inline float param(const void *p, int64_t i, int half) {
+#ifdef __F16C__
+    if (half) return _cvtsh_ss(((const uint16_t *)p)[i]);
+#endif
+    return ((const float *)p)[i];
+}
+
+static void dequant_row(const uint8_t *p, const void *s, const void *o, int half, int64_t k, int64_t group,
+                        float *we, float *wo) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        const float sc = s[g0 / group], of = o[g0 / group];
+        const float sc = param(s, g0 / group, half), of = param(o, g0 / group, half);
         const uint8_t *pb = p + g0 / 2;
         float *e = we + g0 / 2, *d = wo + g0 / 2;
         int64_t j = 0;
@@ -68,9 +76,12 @@ static void dot_rows(const float *we, const float *wo, const float *xe, const fl
     }
 }
 
-int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const float *scales,
-                         const float *offsets, int64_t n, int64_t group, float *y, int threads) {
+int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
+                         const void *offsets, int half, int64_t n, int64_t group, float *y, int threads) {
     if (k % group || group % 2) return 1;
+#ifndef __F16C__
+    if (half) return 3;
+#endif
     const int64_t groups = k / group, h = k / 2;
     float *xe = (float *)malloc(sizeof(float) * (size_t)(m * h));
     float *xo = (float *)malloc(sizeof(float) * (size_t)(m * h));
@@ -94,7 +105,9 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
         } else {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                dequant_row(packed + r * h, scales + r * groups, offsets + r * groups, k, group, w, w + h);
+                const int64_t at = r * groups * (half ? 2 : 4); /* byte offset of the row's parameters */
+                dequant_row(packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group, w,
+                            w + h);
                 for (int64_t i = 0; i < m; i += 4) {
                     const int rows = m - i < 4 ? (int)(m - i) : 4;
                     dot_rows(w, w + h, xe + i * h, xo + i * h, h, rows, y + i * n + r, n);

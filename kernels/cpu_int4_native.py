@@ -59,7 +59,7 @@ def _build() -> ctypes.CDLL:
     fn = lib.pagoda_int4_gemm_f32
     fn.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int]
     return lib
 
 
@@ -97,16 +97,23 @@ def library() -> ctypes.CDLL | None:
 
 
 def native_int4_mm(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, group: int) -> Tensor | None:
-    """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable."""
+    """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable.
+    ``scales`` and ``offsets`` are both float32 or both float16."""
     lib = library()
     if lib is None:
         return None
+    if scales.dtype != offsets.dtype or scales.dtype not in (torch.float32, torch.float16):
+        raise ValueError(
+            f"scales and offsets must both be float32 or float16, got {scales.dtype}, {offsets.dtype}"
+        )
+    half = int(scales.dtype == torch.float16)
+    scales, offsets, packed = scales.contiguous(), offsets.contiguous(), packed.contiguous()
     x = x.contiguous()
     m, k = x.shape
     n = packed.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.pagoda_int4_gemm_f32(
-        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), n, group,
+        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), half, n, group,
         y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

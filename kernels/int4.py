@@ -130,10 +130,25 @@ class Int4Weight:
         return self._cpu[dtype]
 
     def native_offsets(self) -> Tensor:
-        """float32 offsets kept for the native float32 kernel (the mins themselves when float-zero)."""
+        """Offsets kept for the native float32 kernel (the mins themselves when float-zero), in the
+        scales' dtype (see :meth:`compact_for_native`)."""
         if self._offsets is None:
-            self._offsets = self.offsets().contiguous()
+            self._offsets = self.offsets().to(self.scales.dtype).contiguous()
         return self._offsets
+
+    def compact_for_native(self) -> None:
+        """Hold scales (and mins or offsets) in float16 when that is exact (GGUF's own precision),
+        else keep float32: the native kernel reads either, the values never change."""
+        scales, offsets = self.scales.float(), self.offsets()
+        s16, o16 = scales.half(), offsets.half()
+        if not (torch.equal(s16.float(), scales) and torch.equal(o16.float(), offsets)):
+            return
+        self.scales = s16.contiguous()
+        if self.mins is not None:
+            self.mins = o16.contiguous()
+            self._offsets = self.mins
+        else:
+            self._offsets = o16.contiguous()
 
     def prepare(self, backend: str, dtype: torch.dtype = torch.float32, keep_canonical: bool = True) -> None:
         """Build the layout ``backend`` reads; optionally free the canonical tensors (CPU only).
@@ -141,6 +156,7 @@ class Int4Weight:
         if backend != "cpu":
             return
         if self.cpu_compute == "float32":
+            self.compact_for_native()
             self.native_offsets()
             return
         self.cpu_layout(dtype)

@@ -249,3 +249,25 @@ def test_int4_linear_compute_modes(monkeypatch, tmp_path):
         fallback = make_linear_weight(w, "int4", torch.float32, group_size=32)
     assert fallback.weight.cpu_compute == "bf16" and cpu_int4_native.status["loaded"] is False
     assert rel_err(fallback.apply(x), ref) < 1e-2
+
+
+def test_float32_compute_keeps_exact_fp16_params_in_fp16():
+    """GGUF-style scales and mins (float16 values) are held in float16 for the native kernel: 5 bits a
+    weight like the file, the same values; float32 ones that float16 cannot hold stay float32."""
+    from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
+
+    qw, w = _float_zero_case(32, 128, 32, seed=3)
+    with int4_cpu_compute("float32"):
+        lin = make_linear_weight(qw, "int4", torch.float32)
+    if lin.weight.cpu_compute != "float32":
+        pytest.skip("native INT4 kernel unavailable here (no C compiler)")
+    assert lin.weight.scales.dtype == torch.float16 and lin.weight.mins.dtype == torch.float16
+    assert lin.nbytes == 32 * 64 + 2 * (32 * 4 * 2)  # nibbles + float16 scale and min per group
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(lin.apply(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(dequantize_int4(lin.weight), w)
+    fresh, _ = _float_zero_case(32, 128, 32, seed=3)  # (make_linear_weight adopts the object it gets)
+    odd = Int4Weight(32, 128, 32, False, fresh.packed, fresh.scales * (1 + 2**-20), None, fresh.mins)
+    with int4_cpu_compute("float32"):
+        kept = make_linear_weight(odd, "int4", torch.float32)
+    assert kept.weight.scales.dtype == torch.float32
