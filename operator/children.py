@@ -240,7 +240,15 @@ def _drain_of(spec: Spec, role: str) -> Drain:
 
 
 def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj) -> Obj:
-    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 6}
+    # /health answers 503 while the server drains: liveness tolerates the whole drain (preStop +
+    # --drain-timeout + the cut requests' grace) so that it never kills a draining pod
+    drain = _drain_of(spec, role)
+    live_failures = max(6, -(-(drain.pre_stop_s + drain.timeout_s + 10) // 10) + 1)
+    probe = {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 10,
+        "failureThreshold": live_failures,
+    }
     ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     startup_s = 300 if role == "router" else spec.pool(role).startup_s
     container: Obj = {

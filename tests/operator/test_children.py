@@ -505,3 +505,13 @@ def test_metrics_peers_reach_the_http_port_of_both_pools_only() -> None:
 def test_network_policies_can_be_turned_off() -> None:
     objs = build(networkPolicy={"enabled": False})
     assert not [o for o in objs.values() if o["kind"] == "NetworkPolicy"]
+
+
+def test_liveness_outlasts_the_drain() -> None:
+    """/health answers 503 while a server drains: the liveness probe must not kill it meanwhile."""
+    container = template(build(), "decode")["spec"]["containers"][0]
+    assert container["livenessProbe"]["failureThreshold"] == 6  # the default drain fits in 60 s
+    long = build(decode={"drain": {"timeoutSeconds": 300, "preStopSeconds": 10}})
+    probe = template(long, "decode")["spec"]["containers"][0]["livenessProbe"]
+    grace = template(long, "decode")["spec"]["terminationGracePeriodSeconds"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] > grace >= 300 + 10
