@@ -10,7 +10,7 @@ from torch import nn
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import LinearWeight, make_linear_weight
-from pagoda.node_agent.models.step_ops import OPS
+from pagoda.node_agent.models.step_ops import OPS, rms_norm
 
 PHASES = ("prefill", "decode")
 
@@ -25,11 +25,7 @@ class RMSNorm(nn.Module):
         return self.weight, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def prequantized_format(w: object) -> str | None:

@@ -35,14 +35,19 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 math (the HF order: normalize, cast, scale); one fused op in float32."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(x + delta, RMSNorm(x + delta)) in float32 math (the HF order: normalize, cast, scale)."""
+    """(x + delta, RMSNorm(x + delta))."""
     y = x + delta
-    if y.dtype == torch.float32 and weight.dtype == torch.float32:
-        return y, F.rms_norm(y, weight.shape, weight, eps)  # what RMSNorm runs in float32
-    yf = y.float()
-    normed = yf * torch.rsqrt(yf.pow(2).mean(-1, keepdim=True) + eps)
-    return y, weight * normed.to(y.dtype)
+    return y, rms_norm(y, weight, eps)
 
 
 EAGER = {"rope_qk": rope_qk, "swiglu": swiglu, "add_rms_norm": add_rms_norm}
