@@ -37,8 +37,8 @@ from pagoda.node_agent.bench.common import (
 from pagoda.node_agent.bench.decode import run_pagoda_decode
 from pagoda.node_agent.bench.stepping import run_steps
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import KVPagePool
-from pagoda.node_agent.engine.kv_setup import kv_components
+from pagoda.node_agent.engine.kv_pool import TOKEN_SCALE_BYTES, KVPagePool
+from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
 
@@ -50,14 +50,16 @@ FILLER = (
 )
 
 
-def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
-    """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales included), with bf16 as
-    a true 2-byte type whatever the compute dtype. Per-layer figures follow ``kv_components(cfg)``
-    (K and V per KV head, or whatever components the model's attention stores, e.g. an MLA latent)."""
+def kv_capacity(cfg, budget: int, page_size: int, kv_format: str, granularity: str = "per-token-k") -> dict:
+    """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales, static or per token by
+    ``granularity``, included), with bf16 as a true 2-byte type whatever the compute dtype.
+    Per-layer figures follow ``kv_components(cfg)`` (K and V per KV head, or whatever components the
+    model's attention stores, e.g. an MLA latent); ``bytes_per_token_per_layer`` counts values only."""
     dt = TRUE_BF16 if kv_format == "bf16" else torch.float8_e4m3fn
     comps = kv_components(cfg)
-    pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt)
-    per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt)
+    scaled = token_scaled_components(granularity, comps) if kv_format != "bf16" else ()
+    pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt, scaled)
+    per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt, scaled)
     elem = torch.empty((), dtype=dt).element_size()
     per_comp = {name: int(torch.Size(shape).numel()) * elem for name, shape in comps.items()}
     return {
@@ -67,6 +69,7 @@ def kv_capacity(cfg, budget: int, page_size: int, kv_format: str) -> dict:
         "bytes_per_token": per_page / page_size,
         "bytes_per_token_per_layer": sum(per_comp.values()),
         "component_bytes_per_token_per_layer": per_comp,
+        "token_scale_bytes_per_token_per_layer": sum(comps[c][0] for c in scaled) * TOKEN_SCALE_BYTES,
     }
 
 
@@ -89,7 +92,7 @@ def bench_kv_capacity(cfg: EngineConfig, log: Log = echo) -> dict:
     mc = model_config_of(cfg.model)
     budget, ps = cfg.kv_memory or DEFAULT_KV_BUDGET, cfg.page_size
     max_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-    caps = {f: kv_capacity(mc, budget, ps, f) for f in KV_CACHE_FORMATS}
+    caps = {f: kv_capacity(mc, budget, ps, f, cfg.kv_scale_granularity) for f in KV_CACHE_FORMATS}
     comps = ", ".join(f"{n} {tuple(s)}" for n, s in kv_components(mc).items())
     log(
         f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens; per token and layer: {comps} x {mc.num_layers} layers"
@@ -166,10 +169,10 @@ def bench_kv(
     budget = cfg.kv_memory or DEFAULT_KV_BUDGET
     probe = make(formats=PhaseFormats.reference(), kv_memory=1 << 20)
     mc, ps = probe.model_config, cfg.page_size
-    caps = {f: kv_capacity(mc, budget, ps, f) for f in KV_CACHE_FORMATS}
+    caps = {f: kv_capacity(mc, budget, ps, f, cfg.kv_scale_granularity) for f in KV_CACHE_FORMATS}
     # the design default: a bf16 prefill pool (prefill_kv_fraction of the budget) + an fp8 decode pool
     frac = EngineConfig().prefill_kv_fraction
-    split_decode = kv_capacity(mc, budget - int(budget * frac), ps, "fp8_e4m3")
+    split_decode = kv_capacity(mc, budget - int(budget * frac), ps, "fp8_e4m3", cfg.kv_scale_granularity)
     cmax = max(concurrency)
     pages_per_seq = pages_per_seq or max(1, int(0.85 * caps["fp8_e4m3"]["pages"] / cmax))
     seq_tokens = pages_per_seq * ps
