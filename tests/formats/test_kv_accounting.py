@@ -21,7 +21,7 @@ def test_dense_gqa_bytes_per_token_per_layer(builtin_loaded) -> None:
     assert bf16["bytes_per_page"] == 16 * cfg.num_layers * bf16["bytes_per_token_per_layer"] + 4
     # FP8 with the default per-token K scales: a bf16 scale per token and KV head rides with K
     assert fp8["token_scale_bytes_per_token_per_layer"] == 2 * cfg.num_kv_heads
-    assert fp8["bytes_per_page"] == 16 * cfg.num_layers * (kv + 2 * cfg.num_kv_heads) + 4
+    assert fp8["bytes_per_page"] == 16 * cfg.num_layers * (2 * kv + 2 * cfg.num_kv_heads) + 4  # 390 a layer
     static = kv_capacity(cfg, 64 << 20, 16, "fp8_e4m3", "per-head")
     assert static["token_scale_bytes_per_token_per_layer"] == 0 and static["tokens"] > fp8["tokens"]
 
