@@ -136,13 +136,28 @@ class Int4Weight:
             self._offsets = self.offsets().to(self.scales.dtype).contiguous()
         return self._offsets
 
+    def params_fit_fp16(self) -> bool:
+        """Whether float16 holds the scales and offsets exactly (GGUF's own precision)."""
+        scales, offsets = self.scales.float(), self.offsets()
+        return torch.equal(scales.half().float(), scales) and torch.equal(offsets.half().float(), offsets)
+
+    def resident_nbytes(self, compute: str) -> int:
+        """Bytes the CPU path will hold for this weight once prepared for ``compute`` ("float32":
+        nibbles, scales and offsets (+ integer zeros), float16 when exact; "bf16": torch's int4pack
+        layout with bf16 scales and offsets, N padded to 16)."""
+        n, k, g = self.out_features, self.in_features, self.num_groups
+        if compute == "bf16":
+            npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
+            return npad * k // 2 + g * npad * 2 * 2
+        param = 2 if self.params_fit_fp16() else 4
+        return n * k // 2 + n * g * 2 * param + (n * g if self.zeros is not None else 0)
+
     def compact_for_native(self) -> None:
         """Hold scales (and mins or offsets) in float16 when that is exact (GGUF's own precision),
         else keep float32: the native kernel reads either, the values never change."""
-        scales, offsets = self.scales.float(), self.offsets()
-        s16, o16 = scales.half(), offsets.half()
-        if not (torch.equal(s16.float(), scales) and torch.equal(o16.float(), offsets)):
+        if not self.params_fit_fp16():
             return
+        s16, o16 = self.scales.half(), self.offsets().half()
         self.scales = s16.contiguous()
         if self.mins is not None:
             self.mins = o16.contiguous()

@@ -71,7 +71,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
         if self.device.type == "cuda":  # before any weight reaches the device
             est = estimate_weight_bytes(
-                loaded.weights, phase_weight_formats(config), self.dtype, config.int4_group_size
+                loaded.weights,
+                phase_weight_formats(config),
+                self.dtype,
+                config.int4_group_size,
+                int4_compute=config.int4_compute,
             )
             check_weights_fit(est, self.device)
         self.model = build_model(config, loaded, self.dtype, self.device)

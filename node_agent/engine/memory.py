@@ -43,11 +43,23 @@ def _shape(w: object) -> tuple[int, int, int]:
     return t.numel(), t.numel() // max(1, t.shape[-1]), t.shape[-1]
 
 
-def linear_bytes(w: object, fmt: str, dtype: torch.dtype, group_size: int | None = None) -> int:
+def linear_bytes(
+    w: object,
+    fmt: str,
+    dtype: torch.dtype,
+    group_size: int | None = None,
+    int4_compute: str = "float32",
+    expert: bool = False,
+) -> int:
     """Resident bytes of one linear weight (or expert stack) held in ``fmt``: dense in the compute
-    dtype, FP8 with a float32 scale per output row, INT4 packed two to a byte with a 2-byte scale and
-    zero per group. A prequantized weight served in its own format counts as stored."""
+    dtype, FP8 with a float32 scale per output row, INT4 packed two to a byte with per-group
+    parameters: float32 scale, zero point and offset for float32 compute on a float32 CPU engine
+    (the exact kernel's inputs), a 2-byte scale and zero otherwise. A prequantized weight served in
+    its own format counts as the CPU will hold it (INT4) or as stored. Routed experts (``expert``)
+    live in the MoE stacks, whose INT4 keeps 2-byte parameters."""
     if prequantized_format(w) == fmt:
+        if fmt == "int4" and dtype == torch.float32:
+            return int(w.resident_nbytes(int4_compute))  # type: ignore[attr-defined]
         return int(w.nbytes)  # type: ignore[attr-defined]
     numel, rows, cols = _shape(w)
     if fmt == "fp32":
@@ -58,7 +70,8 @@ def linear_bytes(w: object, fmt: str, dtype: torch.dtype, group_size: int | None
         g = group_size or INT4_DEFAULT_GROUP
         while g > 32 and cols % g:
             g //= 2
-        return numel // 2 + (numel // g) * 4
+        per_group = 9 if (dtype == torch.float32 and int4_compute == "float32" and not expert) else 4
+        return numel // 2 + (numel // g) * per_group
     return numel * torch.empty((), dtype=dtype).element_size()
 
 
@@ -74,6 +87,7 @@ def estimate_weight_bytes(
     dtype: torch.dtype,
     group_size: int | None = None,
     head_format: str = "bf16",
+    int4_compute: str = "float32",
 ) -> WeightEstimate:
     """Bytes the built model will hold: every 2-D (or stacked 3-D) block weight once per distinct phase
     format, routers in float32, embeddings, the LM head and 1-D tensors (norms, biases) in ``dtype``."""
@@ -105,7 +119,7 @@ def estimate_weight_bytes(
             add(dense, _shape(w)[0] * elem)  # norms and biases
         else:
             for fmt in held:
-                add(fmt, linear_bytes(w, fmt, dtype, group_size))
+                add(fmt, linear_bytes(w, fmt, dtype, group_size, int4_compute, ".mlp.experts." in name))
     return WeightEstimate(sum(by_format.values()), dict(sorted(by_format.items())))
 
 

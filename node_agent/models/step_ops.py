@@ -65,7 +65,8 @@ def enable_compile(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, 
         for t in (3, 5):  # two sizes, so the graphs are traced with a symbolic token count
             _warm_up(compiled, device, dtype, t, hq, hkv, d)
     except Exception as exc:  # no C++ compiler, an inductor error: stay eager, say why
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        reason = f"{type(exc).__name__}: {' '.join(lines[:4])[:400]}"
         compile_state.update(enabled=False, reason=reason)
         log.warning("torch.compile of the decode glue is unavailable, running eager: %s", reason)
         return False

@@ -143,8 +143,8 @@ def _int(h: dict[str, Any], key: str, lo: int, hi: int) -> int:
 
 def _str(h: dict[str, Any], key: str, max_chars: int = MAX_ID_CHARS) -> str:
     v = h[key]
-    if type(v) is not str or not 1 <= len(v) <= max_chars:
-        raise HeaderError(f"KV header: {key} must be a string of 1..{max_chars} characters")
+    if type(v) is not str or not 1 <= len(v) <= max_chars or not v.isprintable():
+        raise HeaderError(f"KV header: {key} must be a printable string of 1..{max_chars} characters")
     return v
 
 

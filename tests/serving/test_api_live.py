@@ -200,7 +200,9 @@ def test_an_integrity_abort_is_an_error_never_text(stack) -> None:
     original = eng.integrity.check
     marker = "INTEGRITY-VICTIM"
 
-    def corrupting_check(seqs, pool):  # runs on the engine thread, like every engine call
+    def corrupting_check(seqs, pool, tables=None):  # runs on the engine thread, like every engine call
+        # (the step's tables were built before this call: the changed mapping is caught by the
+        # next step's check, and this step reads the tables that were checked)
         for s in seqs:
             if (
                 s.block_table
@@ -209,7 +211,7 @@ def test_an_integrity_abort_is_an_error_never_text(stack) -> None:
             ):
                 ref = s.block_table[0]
                 s.block_table[0] = PageRef(ref.page, ref.tag + 1)  # the mapping no longer matches the page
-        return original(seqs, pool)
+        return original(seqs, pool, tables)
 
     before = metric_sum(metrics(stack.url), "pagoda_integrity_mismatches_total")
     eng.integrity.check = corrupting_check
