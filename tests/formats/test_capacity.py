@@ -7,7 +7,7 @@ import torch
 
 from pagoda.node_agent.bench.formats import kv_capacity
 from pagoda.node_agent.engine.kv_pool import KVPagePool
-from pagoda.node_agent.engine.kv_setup import kv_components
+from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
 
 
 @pytest.mark.parametrize("budget", [8 << 20, 64 << 20, 1 << 30])
@@ -22,10 +22,17 @@ def test_fp8_capacity_vs_bf16(builtin_loaded, budget: int) -> None:
 def test_capacity_is_what_real_pools_hold_in_the_budget(builtin_loaded) -> None:
     """The figures are exact: real pools of that many pages fit the budget (tags, scales included)."""
     cfg, budget = builtin_loaded.config, 8 << 20
-    for fmt, dt in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
-        cap = kv_capacity(cfg, budget, 16, fmt)
-        pool = KVPagePool(cfg.num_layers, cap["pages"], 16, kv_components(cfg), dt, kv_format=fmt)
+    comps = kv_components(cfg)
+    for fmt, dt, granularity in (
+        ("bf16", torch.bfloat16, "per-token-k"),
+        ("fp8_e4m3", torch.float8_e4m3fn, "per-token-k"),  # the default: K scales per token
+        ("fp8_e4m3", torch.float8_e4m3fn, "per-head"),
+    ):
+        cap = kv_capacity(cfg, budget, 16, fmt, granularity)
+        scaled = token_scaled_components(granularity, comps) if fmt == "fp8_e4m3" else ()
+        kw = {"kv_format": fmt, "token_scaled": scaled}
+        pool = KVPagePool(cfg.num_layers, cap["pages"], 16, comps, dt, **kw)
         assert pool.capacity_tokens == cap["tokens"]
         assert pool.total_bytes <= budget
-        one_more = KVPagePool(cfg.num_layers, cap["pages"] + 1, 16, kv_components(cfg), dt, kv_format=fmt)
+        one_more = KVPagePool(cfg.num_layers, cap["pages"] + 1, 16, comps, dt, **kw)
         assert one_more.total_bytes > budget
