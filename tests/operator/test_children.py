@@ -7,10 +7,10 @@ import base64
 import copy
 import ipaddress
 import re
-from typing import Any
 
 import kubernetes_validate
 import pytest
+from fake_kube import merge_patch
 from op_schema import admit, example
 
 from pagoda.operator import apply, children, credentials
@@ -253,19 +253,6 @@ def test_an_autoscaled_pool_leaves_its_replicas_to_the_autoscaler() -> None:
     assert "replicas" not in objs["Deployment/m-decode"]["spec"]
     assert objs["Deployment/m-prefill"]["spec"]["replicas"] == 1
     assert "HorizontalPodAutoscaler/m-prefill" not in objs
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch, as the API server applies the operator's patches."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 def test_an_upgrade_drops_the_old_config_volume_and_hash() -> None:

@@ -12,6 +12,7 @@ import time
 import helm_python
 import pytest
 import yaml
+from fake_kube import merge_patch
 from op_cluster import (
     CM_PATH,
     DEP_PATH,
@@ -45,23 +46,10 @@ def create_md(cluster: Cluster, body: dict) -> dict:
     return cluster.create(MD_PATH.format(ns=NS), stored)
 
 
-def merged(target: object, patch: object) -> object:
-    """RFC 7386 merge patch, as the API server applies one (None deletes)."""
-    if not isinstance(patch, dict):
-        return patch
-    out = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merged(out.get(key), value)
-    return out
-
-
 def update_spec(cluster: Cluster, spec_patch: dict) -> None:
     current = cluster.get(MD)
     assert current is not None
-    admit({**current, "spec": merged(current["spec"], spec_patch)})  # would the API server accept it?
+    admit({**current, "spec": merge_patch(current["spec"], spec_patch)})  # would the API server accept it?
     cluster.patch(MD, {"spec": spec_patch, "metadata": {"generation": current["metadata"]["generation"] + 1}})
 
 
