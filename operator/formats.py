@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS, handoff_allowed
 
-from .spec import POOLS, Spec
+from .spec import POOLS, Pool, Spec
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,37 @@ class Problem:
 
     reason: str
     message: str
+
+
+def _parallelism(name: str, pool: Pool) -> list[Problem]:
+    """Tensor-parallel layouts the agents cannot run (the CRD's CEL rules, checked again)."""
+    tp, nodes = pool.tensor_parallel, pool.nodes_per_replica
+    if not 1 <= nodes <= tp:
+        return [
+            Problem(
+                "InvalidParallelism",
+                f"{name}.nodesPerReplica {nodes} must be between 1 and tensorParallel {tp}: "
+                "every pod of a replica runs at least one tensor-parallel rank",
+            )
+        ]
+    if tp % nodes:
+        return [
+            Problem(
+                "InvalidParallelism",
+                f"{name}.tensorParallel {tp} is not a multiple of nodesPerReplica {nodes}: "
+                "every pod of a replica runs the same number of ranks",
+            )
+        ]
+    if pool.gpus not in (0, tp // nodes):
+        return [
+            Problem(
+                "InvalidParallelism",
+                f"{name}.gpus {pool.gpus} does not match the {tp // nodes} rank(s) each pod runs "
+                f"(tensorParallel {tp} / nodesPerReplica {nodes}): gpus is per pod, 0 for a CPU pool, "
+                "else one per rank; leave it out to have it derived",
+            )
+        ]
+    return []
 
 
 def check(spec: Spec) -> list[Problem]:
@@ -45,14 +76,7 @@ def check(spec: Spec) -> list[Problem]:
             )
         if pool.replicas < 0:
             problems.append(Problem("InvalidReplicas", f"{name}.replicas must be >= 0"))
-        if pool.gpus > 0 and pool.tensor_parallel > pool.gpus:
-            problems.append(
-                Problem(
-                    "InvalidParallelism",
-                    f"{name}.tensorParallel {pool.tensor_parallel} exceeds gpus {pool.gpus}: "
-                    "each tensor-parallel rank needs its own GPU",
-                )
-            )
+        problems += _parallelism(name, pool)
     if spec.prefill.weight_format == "int4":
         problems.append(
             Problem(

@@ -79,7 +79,8 @@ class Pool:
     weight_format: str = "fp8"
     kv_cache_format: str = "bf16"
     tensor_parallel: int = 1
-    gpus: int = 1
+    gpus: int = 1  # per pod: 0 is a CPU pool, else the pod's ranks (tensor_parallel / nodes_per_replica)
+    nodes_per_replica: int = 1
     max_concurrency: int = 64
     kv_memory_fraction: float = 0.9
     resources: dict[str, Any] = field(default_factory=dict)
@@ -92,6 +93,16 @@ class Pool:
     disruption_budget: DisruptionBudget = field(default_factory=DisruptionBudget)
     startup_s: int = 900
     pod_template: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def multi_node(self) -> bool:
+        """True when one replica spans several pods (a LeaderWorkerSet group)."""
+        return self.nodes_per_replica > 1
+
+    @property
+    def ranks_per_pod(self) -> int:
+        """Tensor-parallel ranks each pod of a replica runs (a whole number when the spec is valid)."""
+        return max(1, self.tensor_parallel // max(1, self.nodes_per_replica))
 
     @property
     def uses_fp8(self) -> bool:
@@ -232,12 +243,17 @@ def _autoscaling(raw: dict[str, Any] | None) -> Autoscaling | None:
 def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
     raw = raw or {}
     d = Pool(**POOL_DEFAULTS[name])
+    tensor_parallel = int(raw.get("tensorParallel", d.tensor_parallel))
+    nodes = int(raw.get("nodesPerReplica", d.nodes_per_replica))
+    # gpus absent: a GPU pool whose pods request one GPU per rank they run
+    derived = tensor_parallel // nodes if nodes > 0 and tensor_parallel % nodes == 0 else tensor_parallel
     return Pool(
         replicas=int(raw.get("replicas", d.replicas)),
         weight_format=str(raw.get("weightFormat", d.weight_format)),
         kv_cache_format=str(raw.get("kvCacheFormat", d.kv_cache_format)),
-        tensor_parallel=int(raw.get("tensorParallel", d.tensor_parallel)),
-        gpus=int(raw.get("gpus", d.gpus)),
+        tensor_parallel=tensor_parallel,
+        gpus=int(raw["gpus"]) if raw.get("gpus") is not None else derived,
+        nodes_per_replica=nodes,
         max_concurrency=int(raw.get("maxConcurrency", d.max_concurrency)),
         kv_memory_fraction=float(raw.get("kvMemoryFraction", d.kv_memory_fraction)),
         resources=dict(raw.get("resources") or {}),

@@ -90,8 +90,12 @@ def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "why"),
     [
-        ({"decode": {"tensorParallel": 4, "gpus": 2}}, "tensorParallel must not exceed gpus"),
-        ({"prefill": {"tensorParallel": 2, "gpus": 1}}, "tensorParallel must not exceed gpus"),
+        ({"decode": {"tensorParallel": 4, "gpus": 2}}, "gpus is per pod"),
+        ({"prefill": {"tensorParallel": 2, "gpus": 1}}, "gpus is per pod"),
+        ({"decode": {"tensorParallel": 1, "gpus": 2}}, "gpus is per pod"),  # idle GPUs
+        ({"decode": {"tensorParallel": 8, "nodesPerReplica": 2, "gpus": 8}}, "gpus is per pod"),
+        ({"decode": {"tensorParallel": 2, "nodesPerReplica": 4}}, "nodesPerReplica must not exceed"),
+        ({"prefill": {"tensorParallel": 6, "nodesPerReplica": 4}}, "must be a multiple of nodesPerReplica"),
         ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
         ({"prefill": {"replicas": 0}}, "needs both pools"),
         (
@@ -123,7 +127,19 @@ def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
     "spec",
     [
         {"decode": {"tensorParallel": 2, "gpus": 2}},
+        {"decode": {"tensorParallel": 2}},  # gpus derived: 2 per pod
         {"decode": {"tensorParallel": 2, "gpus": 0}},  # CPU trials ignore the GPU count
+        {"decode": {"tensorParallel": 8, "nodesPerReplica": 2, "gpus": 4}},
+        {"decode": {"tensorParallel": 8, "nodesPerReplica": 8}},  # one rank per host
+        {"decode": {"tensorParallel": 4, "nodesPerReplica": 2, "gpus": 0}},  # gloo across CPU hosts
+        {  # an autoscaled LeaderWorkerSet pool: the HPA scales whole groups
+            "decode": {
+                "tensorParallel": 4,
+                "nodesPerReplica": 2,
+                "autoscaling": {"maxReplicas": 4, "targets": {"waitingRequests": 8}},
+            }
+        },
+        {"prefill": {"tensorParallel": 2}, "decode": {"tensorParallel": 4}},  # the KV handoff re-shards
         {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "fp8_e4m3"}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},  # paused
         {  # an autoscaled pool's replicas field is not what counts
@@ -153,12 +169,23 @@ def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
 
     schema = md_schema(crd)
     rules = str(schema).count("'rule':")
-    assert rules == 7
+    assert rules == 11
     assert cel_errors(schema, admit(example())) == []
     auto = {"autoscaling": {"maxReplicas": 2, "targets": {"ttftSeconds": 2}}}
     assert cel_errors(schema, admit(example(decode=auto, prefill=auto))) == []  # autoscaling rules ran
     peers = {"networkPolicy": {"metricsFrom": [{"podSelector": {}}]}}
     assert cel_errors(schema, admit(example(**peers))) == []  # the peer rule ran and passed
+
+
+def test_gpus_are_derived_per_pod_unless_given() -> None:
+    """Absent gpus: one per rank each pod runs; 0 keeps a CPU pool; the defaults stay one GPU."""
+    parse = spec_mod.parse
+    assert parse(admit(example())["spec"]).decode.gpus == 1
+    single = parse(admit(example(decode={"tensorParallel": 4}))["spec"]).decode
+    assert (single.gpus, single.nodes_per_replica, single.multi_node) == (4, 1, False)
+    multi = parse(admit(example(decode={"tensorParallel": 8, "nodesPerReplica": 2}))["spec"]).decode
+    assert (multi.gpus, multi.ranks_per_pod, multi.multi_node) == (4, 4, True)
+    assert parse(admit(example(decode={"tensorParallel": 2, "gpus": 0}))["spec"]).decode.gpus == 0
 
 
 def test_credential_and_network_defaults() -> None:

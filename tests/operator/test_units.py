@@ -34,6 +34,31 @@ def test_format_check_explains_each_problem() -> None:
     assert formats.check(spec(decode={"gpus": 1, "tensorParallel": 2}))[0].reason == "InvalidParallelism"
 
 
+@pytest.mark.parametrize(
+    ("pool", "why"),
+    [
+        ({"tensorParallel": 2, "nodesPerReplica": 4}, "must be between 1 and tensorParallel 2"),
+        ({"tensorParallel": 6, "nodesPerReplica": 4}, "not a multiple of nodesPerReplica 4"),
+        (
+            {"tensorParallel": 8, "nodesPerReplica": 2, "gpus": 8},
+            "does not match the 4 rank(s) each pod runs",
+        ),
+        ({"tensorParallel": 1, "gpus": 2}, "does not match the 1 rank(s)"),
+    ],
+)
+def test_operator_refuses_parallel_layouts_the_agents_cannot_run(pool: dict, why: str) -> None:
+    """The CEL rules again, for objects stored before them (or without CEL)."""
+    problems = formats.check(spec(decode=pool))
+    assert [p.reason for p in problems] == ["InvalidParallelism"]
+    assert why in problems[0].message
+
+
+def test_different_tensor_parallel_degrees_between_pools_are_served() -> None:
+    """The KV handoff re-shards pages by head on arrival, so prefill TP 2 may feed decode TP 4."""
+    both = spec(prefill={"tensorParallel": 2}, decode={"tensorParallel": 4, "nodesPerReplica": 2})
+    assert formats.check(both) == []
+
+
 def stamp(age_s: float) -> str:
     return (NOW - dt.timedelta(seconds=age_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
