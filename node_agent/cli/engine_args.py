@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from pagoda.node_agent.engine.config import KV_SCALE_GRANULARITIES, EngineConfig, PhaseFormats, parse_bytes
+from pagoda.node_agent.engine.config import (
+    KV_SCALE_GRANULARITIES,
+    EngineConfig,
+    ParallelConfig,
+    PhaseFormats,
+    parse_bytes,
+)
 from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
@@ -71,6 +77,39 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="FP8 KV scales: per-token-k (K per token and head, V static per head), per-head or "
         "per-tensor (static, calibrated at load)",
     )
+    add_parallel_args(p)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """One model replica over several ranks (torch.distributed; engine/parallel_group.py)."""
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="ranks of one replica (heads, MLP widths, vocab and experts split over them); on one "
+        "host Pagoda starts them itself",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="hosts of the replica, each running tensor-parallel / nodes ranks (host index from "
+        "$PAGODA_NODE_RANK, $NODE_RANK or $LWS_WORKER_INDEX)",
+    )
+    p.add_argument(
+        "--dist-addr",
+        default=None,
+        help="rank 0's host (default: $MASTER_ADDR, $LWS_LEADER_ADDRESS; localhost on one host)",
+    )
+    p.add_argument(
+        "--dist-port", type=int, default=None, help="rank 0's rendezvous port (default: $MASTER_PORT or 29500)"
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a collective may take: a rank that dies or hangs fails the replica within it",
+    )
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -103,6 +142,13 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         compile=getattr(a, "compile", False),
         int4_compute=getattr(a, "int4_compute", "float32"),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
+        parallel=ParallelConfig(
+            tensor_parallel=getattr(a, "tensor_parallel", 1),
+            nodes=getattr(a, "nodes", 1),
+            dist_addr=getattr(a, "dist_addr", None),
+            dist_port=getattr(a, "dist_port", None),
+            dist_timeout=getattr(a, "dist_timeout", 60.0),
+        ),
     )
 
 
@@ -115,6 +161,7 @@ SERVER_ENGINE_FLAGS = {
     "integrity": "--integrity", "kernels": "--kernels", "decode_lm_head": "--decode-lm-head",
     "int4_compute": "--int4-compute",
     "kv_scale_granularity": "--kv-scale-granularity",
+    "tensor_parallel": "--tensor-parallel", "nodes": "--nodes", "dist_timeout": "--dist-timeout",
 }  # fmt: skip
 
 

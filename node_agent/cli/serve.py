@@ -72,7 +72,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="the one cache scope tenants may share via X-Pagoda-Cache-Scope",
     )
     p.add_argument("--no-session-affinity", action="store_true")
-    p.add_argument("--tensor-parallel", type=int, default=1)
     p.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs before 429"
     )
@@ -174,8 +173,6 @@ def build_app(a: argparse.Namespace, engine=None):
     public = {"api_keys": api_keys, "body_timeout_s": a.body_timeout, "drain_timeout_s": a.drain_timeout}
     if not a.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
-    if a.tensor_parallel != 1:
-        raise ValueError("--tensor-parallel > 1 is not supported by this engine build yet")
     from pagoda.node_agent.serving.internal_auth import auth_for_role
 
     if a.role == "router":  # flag values first, then credentials, then anything else

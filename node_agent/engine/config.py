@@ -108,6 +108,32 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+MAX_TENSOR_PARALLEL = 64
+
+
+@dataclass
+class ParallelConfig:
+    """One model replica over several ranks (torch.distributed): tensor parallelism for attention
+    and dense MLPs, expert parallelism for routed experts (engine/parallel_group.py)."""
+
+    tensor_parallel: int = 1  # ranks of the replica, all hosts together
+    nodes: int = 1  # hosts of the replica, each running tensor_parallel / nodes ranks
+    dist_addr: str | None = None  # rank 0's host (default: $MASTER_ADDR, $LWS_LEADER_ADDRESS, local)
+    dist_port: int | None = None  # rank 0's rendezvous port (default: $MASTER_PORT, or a free port locally)
+    dist_timeout: float = 60.0  # seconds a collective may take before the replica fails
+
+    def validate(self) -> None:
+        tp, n = self.tensor_parallel, self.nodes
+        if not 1 <= tp <= MAX_TENSOR_PARALLEL:
+            raise ConfigError(f"tensor parallel must be 1..{MAX_TENSOR_PARALLEL}, got {tp}")
+        if n < 1 or n > tp or tp % n:
+            raise ConfigError(f"nodes ({n}) must divide tensor parallel ({tp})")
+        if not self.dist_timeout > 0:
+            raise ConfigError(f"dist timeout must be > 0 seconds, got {self.dist_timeout}")
+        if self.dist_port is not None and not 0 < self.dist_port < 65536:
+            raise ConfigError(f"dist port must be 1..65535, got {self.dist_port}")
+
+
 # FP8 KV scales: K per token and head (V static per head), static per head, or one static per tensor
 KV_SCALE_GRANULARITIES = ("per-token-k", "per-head", "per-tensor")
 
@@ -137,6 +163,7 @@ class EngineConfig:
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
     def validate(self) -> None:
         self.formats.validate()
@@ -167,6 +194,12 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be at least one page")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
+        self.parallel.validate()
+        if self.parallel.tensor_parallel > 1 and self.integrity == "audit":
+            raise ConfigError(
+                "integrity audit checksums pages on one rank only: use enforce (tag checks run on every "
+                "rank) with --tensor-parallel > 1"
+            )
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -77,13 +77,20 @@ def convert_into(
 
 
 def migrate(
-    src: KVPagePool, dst: KVPagePool, refs: list[PageRef], backend: str | None = None
+    src: KVPagePool,
+    dst: KVPagePool,
+    refs: list[PageRef],
+    backend: str | None = None,
+    mirror: Callable[[KVPagePool, KVPagePool, list[PageRef], list[PageRef]], None] | None = None,
 ) -> list[PageRef]:
-    """Move pages from one pool to another (fresh tagged pages, converted); raises OutOfPages."""
+    """Move pages from one pool to another (fresh tagged pages, converted); raises OutOfPages.
+    ``mirror(src, dst, refs, dst_refs)``: the other tensor-parallel ranks copy their heads too."""
     dst_refs = dst.allocate_pages(len(refs))
     try:
         src_idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=src.device)
         convert_into(dst, dst_refs, src.layers, src.static_scales, src_idx, backend)
+        if mirror is not None:
+            mirror(src, dst, refs, dst_refs)
     except BaseException:
         dst.release_all(dst_refs)  # the source pages stay the sequence's
         raise
@@ -96,11 +103,15 @@ def _dev(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 
 def payload_of(
-    seq: Sequence, pool: KVPagePool, meta_of: Callable[[list[dict[str, torch.Tensor]]], dict]
+    seq: Sequence,
+    pool: KVPagePool,
+    meta_of: Callable[[list[dict[str, torch.Tensor]]], dict],
+    extract: Callable = extract_pages,
 ) -> KVPayload:
-    """The handoff of a prefilled sequence: its pages (copied out of ``pool``), sampling state and
-    ``meta_of(pages)`` (the integrity tracker's per-page metadata)."""
-    layers, scales = extract_pages(pool, seq.block_table)
+    """The handoff of a prefilled sequence: its pages (copied out of ``pool`` by ``extract``: every
+    rank's heads under tensor parallelism), sampling state and ``meta_of(pages)`` (the integrity
+    tracker's per-page metadata)."""
+    layers, scales = extract(pool, seq.block_table)
     gen = seq.generator.get_state() if seq.generator is not None else None
     return KVPayload(
         seq.request_id,
@@ -202,7 +213,7 @@ def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch
     if not isinstance(layers, list) or len(layers) != pool.num_layers:
         n = len(layers) if isinstance(layers, list) else type(layers).__name__
         raise RequestError(f"KV payload layers: {n} layers, this model has {pool.num_layers}")
-    names = set(pool.components)
+    names = set(pool.replica_components)
     dtype: torch.dtype | None = None
     for li, layer in enumerate(layers):
         comps = {c for c in layer if not is_page_scale_key(c)} if isinstance(layer, dict) else None
@@ -213,7 +224,7 @@ def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch
             t = layer[c]
             where = f"KV payload layers[{li}][{c!r}]"
             _check_tensor(t, where, pool)
-            want = (num_pages, pool.page_size, *pool.components[c])
+            want = (num_pages, pool.page_size, *pool.replica_components[c])
             if tuple(t.shape) != want:
                 raise RequestError(f"{where}: shape {tuple(t.shape)}, expected {want} for {num_pages} pages")
             if t.dtype not in PAYLOAD_DTYPES[fmt] or (dtype is not None and t.dtype != dtype):
@@ -239,17 +250,17 @@ def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, fp8
         raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8")
     for li, layer in enumerate(payload.layers):
         keys = {c for c in layer if is_page_scale_key(c)}
-        if keys != first or not keys <= {page_scale_key(c) for c in pool.components}:
+        if keys != first or not keys <= {page_scale_key(c) for c in pool.replica_components}:
             raise RequestError(
                 f"KV payload layers[{li}]: per-token scales {sorted(map(str, keys))[:4]} must be "
-                f"the same in every layer, for components of {sorted(pool.components)}"
+                f"the same in every layer, for components of {sorted(pool.replica_components)}"
             )
         for key in sorted(keys):
             t = layer[key]
             where = f"KV payload layers[{li}][{key!r}]"
             _check_tensor(t, where, pool)
             c = key.removesuffix(".scale")
-            want = (num_pages, pool.page_size, pool.components[c][0])
+            want = (num_pages, pool.page_size, pool.replica_components[c][0])
             if t.dtype != TOKEN_SCALE_DTYPE or tuple(t.shape) != want:
                 raise RequestError(
                     f"{where}: {t.dtype} {tuple(t.shape)}, expected {TOKEN_SCALE_DTYPE} {want}"
@@ -258,7 +269,7 @@ def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, fp8
                 raise RequestError(f"{where}: per-token scales must be finite and non-negative")
     if not fp8:
         return []
-    return [c for c in pool.components if page_scale_key(c) not in first]
+    return [c for c in pool.replica_components if page_scale_key(c) not in first]
 
 
 def _check_scales(scales: object, pool: KVPagePool, static: list[str]) -> None:
@@ -276,7 +287,7 @@ def _check_scales(scales: object, pool: KVPagePool, static: list[str]) -> None:
         for c, t in layer.items():
             where = f"KV payload scales[{li}][{c!r}]"
             _check_tensor(t, where, pool)
-            want = (pool.components[c][0],)
+            want = (pool.replica_components[c][0],)
             if t.dtype != torch.float32 or tuple(t.shape) != want:
                 raise RequestError(f"{where}: {t.dtype} {tuple(t.shape)}, expected torch.float32 {want}")
             if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
@@ -310,14 +321,23 @@ def _check_generator_state(state: object) -> None:
 
 
 def receive(
-    payload: KVPayload, pool: KVPagePool, params: SamplingParams, request_id: str, backend: str | None = None
+    payload: KVPayload,
+    pool: KVPagePool,
+    params: SamplingParams,
+    request_id: str,
+    backend: str | None = None,
+    write: Callable | None = None,
 ) -> Sequence:
     """A decoding Sequence whose prompt KV is the payload's, in fresh tagged pages of ``pool``
-    (converted to its format). Call check_payload first. Raises OutOfPages when the pool cannot hold
+    (converted to its format; ``write(pool, refs, layers, scales)`` instead spreads the heads over
+    the tensor-parallel ranks). Call check_payload first. Raises OutOfPages when the pool cannot hold
     it; on any error the pages it took are released before the exception propagates."""
     refs = pool.allocate_pages(-(-payload.num_tokens // pool.page_size))
     try:
-        convert_into(pool, refs, payload.layers, payload.scales, backend=backend)
+        if write is not None:
+            write(pool, refs, payload.layers, payload.scales)
+        else:
+            convert_into(pool, refs, payload.layers, payload.scales, backend=backend)
         seq = Sequence(request_id, payload.prompt_token_ids, params)
         if payload.generator_state is not None and seq.generator is not None:
             seq.generator.set_state(payload.generator_state)

@@ -88,6 +88,9 @@ class KVPagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.components = dict(components)
+        # what one token stores in the whole replica (a tensor-parallel rank holds some heads of it):
+        # the shapes a handoff payload carries
+        self.replica_components = dict(components)
         self.dtype = dtype
         self.device = torch.device(device)
         self.layers: list[dict[str, torch.Tensor]] = [
@@ -130,6 +133,8 @@ class KVPagePool:
         self.hash_page: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.allocations = 0
+        # tensor parallelism: rank 0 logs each allocated page for the other ranks to mirror
+        self.alloc_log: list[int] | None = None
 
     # ------------------------------------------------------------------ sizing
 
@@ -213,7 +218,16 @@ class KVPagePool:
         self.tag_table[page] = tag
         self.refcount[page] = 1
         self.allocations += 1
+        if self.alloc_log is not None:
+            self.alloc_log.append(page)
         return PageRef(page, tag)
+
+    def bump_tags(self, pages: list[int]) -> None:
+        """Another rank allocated these pages (in this order): move this rank's tags on likewise."""
+        for page in pages:
+            tag = next_tag(self._tags[page])
+            self._tags[page] = tag
+            self.tag_table[page] = tag
 
     def allocate_pages(self, n: int) -> list[PageRef]:
         """``n`` fresh pages, all or none (raises OutOfPages and keeps nothing)."""

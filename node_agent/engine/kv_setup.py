@@ -58,7 +58,12 @@ class PoolBuilder:
         runner: ModelRunner,
         tokenizer: Tokenizer,
         max_model_len: int,
+        sizing: dict[str, tuple[int, ...]] | None = None,
+        reduce_max=None,
     ) -> None:
+        """``model_config``: this rank's slice under tensor parallelism; ``sizing``: the per-token
+        components of the largest rank's slice (every rank gets as many pages as that one can
+        hold); ``reduce_max``: the maximum of a tensor over the ranks (per-tensor FP8 scales)."""
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
@@ -67,6 +72,8 @@ class PoolBuilder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.components = kv_components(model_config)
+        self.sizing = sizing or self.components
+        self.reduce_max = reduce_max
 
     def pools(self) -> tuple[KVPagePool, KVPagePool]:
         """(prefill pool, decode pool): one shared pool when both phases use the same KV format."""
@@ -94,14 +101,14 @@ class PoolBuilder:
         dt = storage_dtype(kv_format, self.dtype)
         n = self.model_config.num_layers
         tok = token_scaled_components(self.config.kv_scale_granularity, self.components)
-        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.components, dt, tok)
+        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.sizing, dt, tok)
         check_pool_fits(
             name=name,
             kv_format=kv_format,
             budget=budget,
             pages=pages,
             page_size=self.config.page_size,
-            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.components, dt, tok),
+            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.sizing, dt, tok),
             num_layers=n,
             max_model_len=self.max_model_len,
             must_hold_sequence=self.must_hold_sequence(),
@@ -141,7 +148,10 @@ class PoolBuilder:
         calibrate = calibrate_tensor_scales if per_tensor else calibrate_head_scales
         for layer, scales in zip(tmp.layers, pool.static_scales, strict=True):
             for c, scale in scales.items():
-                scale.copy_(calibrate(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM))
+                found = calibrate(layer[c].flatten(0, 1)[:n], RECOMMENDED_KV_HEADROOM)
+                if per_tensor and self.reduce_max is not None:  # one scale over every rank's heads
+                    found = torch.full_like(found, float(self.reduce_max(found.max().reshape(1))))
+                scale.copy_(found)
         log.info(
             "calibrated FP8 KV scales (%s) of %s on %d tokens", self.config.kv_scale_granularity, pool.name, n
         )

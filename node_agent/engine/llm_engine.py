@@ -15,6 +15,7 @@ alone ends (finish_reason "error"), so its batch mates' output is what it would 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import time
@@ -28,16 +29,19 @@ from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.fault_injection import make_faults
 from pagoda.node_agent.engine.integrity import IntegrityError, make_tracker, release_owned
 from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
-from pagoda.node_agent.engine.kv_setup import PoolBuilder
+from pagoda.node_agent.engine.kv_setup import PoolBuilder, kv_components
 from pagoda.node_agent.engine.memory import check_weights_fit, estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
+from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
+from pagoda.node_agent.engine.parallel_steps import Follower, ParallelDriver
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.loader import LoadedModel, load_model
+from pagoda.node_agent.models.parallel import head_ranges
 from pagoda.node_agent.models.step_ops import enable_compile
 from pagoda.node_agent.models.tokenizer import Tokenizer
 
@@ -66,10 +70,14 @@ class LLMEngine:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         t0 = time.perf_counter()
+        # tensor parallelism: this process is one rank of the replica (rank 0 drives the others)
+        self.group = ParallelGroup(config) if config.parallel.tensor_parallel > 1 else None
+        self.tp: ParallelDriver | None = None
+        self._follower: Follower | None = None
         loaded = loaded or load_model(config.model)
-        self.model_config: ModelConfig = loaded.config
+        self.model_config: ModelConfig = loaded.config  # the whole model (a rank holds a slice)
         self.tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
-        if self.device.type == "cuda":  # before any weight reaches the device
+        if self.device.type == "cuda" and self.group is None:  # before any weight reaches the device
             est = estimate_weight_bytes(
                 loaded.weights,
                 phase_weight_formats(config),
@@ -78,18 +86,27 @@ class LLMEngine:
                 int4_compute=config.int4_compute,
             )
             check_weights_fit(est, self.device)
-        self.model = build_model(config, loaded, self.dtype, self.device)
+        self.model = build_model(config, loaded, self.dtype, self.device, self.group)
         del loaded
         self.max_model_len = context_limit(config, self.model_config)
         self.runner = ModelRunner(self.model, config.kernel_backend)
+        local = self.model.cfg  # this rank's heads
         if config.compile:  # at load, so that the first request does not pay it
-            mc = self.model_config
-            enable_compile(self.device, self.dtype, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            enable_compile(self.device, self.dtype, local.num_heads, local.num_kv_heads, local.head_dim)
         mc = self.model_config
         builder = PoolBuilder(
-            config, mc, self.dtype, self.device, self.runner, self.tokenizer, self.max_model_len
+            config,
+            local,
+            self.dtype,
+            self.device,
+            self.runner,
+            self.tokenizer,
+            self.max_model_len,
+            **self._parallel_pool_args(),
         )
-        self.prefill_pool, self.pool = builder.pools()
+        self.prefill_pool, self.pool = builder.pools()  # every rank at once (calibration runs the model)
+        if self.group is not None:
+            self._join_ranks()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -122,6 +139,93 @@ class LLMEngine:
             self.pool.kv_format,
             self.device,
         )
+
+    # ------------------------------------------------------------------ tensor parallelism
+
+    def _parallel_pool_args(self) -> dict:
+        """Pool sizing over the ranks: as many pages on each as the rank with most heads holds."""
+        if self.group is None:
+            return {}
+        import torch.distributed as dist
+
+        mc = self.model_config
+        sizing = None
+        if mc.mla is None:
+            most = max(
+                kv[1] - kv[0] for _, kv in head_ranges(mc.num_heads, mc.num_kv_heads, self.group.world)
+            )
+            sizing = kv_components(dataclasses.replace(mc, num_kv_heads=most, num_heads=most))
+
+        def reduce_max(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group.data)
+            return t
+
+        return {"sizing": sizing, "reduce_max": reduce_max}
+
+    def _join_ranks(self) -> None:
+        """Rank 0 drives the others from now on; another rank only follows (``follow``)."""
+        mc = self.model_config
+        whole = kv_components(mc)
+        for p in self.pools().values():
+            p.replica_components = dict(whole)
+        if mc.mla is not None:
+            split = [(0, 1)] * self.group.world
+        else:
+            split = [kv for _, kv in head_ranges(mc.num_heads, mc.num_kv_heads, self.group.world)]
+        backend = self.config.kernel_backend
+        if self.group.rank == 0:
+            self.tp = ParallelDriver(self.group, self.model, self.prefill_pool, self.pool, split, backend)
+            self.runner.driver = self.tp
+            atexit.register(self.close)
+        else:
+            self._follower = Follower(self.group, self.model, self.prefill_pool, self.pool, backend)
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process serves requests (rank 0, or no tensor parallelism)."""
+        return self.group is None or self.group.rank == 0
+
+    def follow(self) -> int:
+        """A rank other than 0: carry out rank 0's instructions until it stops (0) or is lost (3)."""
+        if self._follower is None:
+            raise RuntimeError("only a tensor-parallel rank other than 0 follows")
+        code = self._follower.run()
+        self.group.close()
+        return code
+
+    def tick(self) -> None:
+        """Called by an idle serving loop: a keepalive vote when nothing was sent for a while, so a
+        dead rank fails the replica even without traffic (raises ReplicaFailure)."""
+        if self.tp is not None:
+            self.tp.keepalive_if_due()
+
+    def close(self) -> None:
+        """Tell the other ranks to stop and leave the group (idempotent)."""
+        if self.tp is not None:
+            self.tp.stop()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def _check_tags(
+        self, seqs: list[Sequence], pool: KVPagePool, tables: tuple | None = None
+    ) -> dict[Sequence, IntegrityError]:
+        """The integrity check of ``seqs`` on this rank and, under tensor parallelism, on every other
+        rank (a mismatch on any rank fails the request on all of them)."""
+        bad = self.integrity.check(seqs, pool, tables)
+        if self.tp is None or self.integrity.mode == "off":
+            return bad
+        if tables is None:
+            tables = block_table_tensor(seqs, pool.tag_table.device)
+        votes = self.tp.check(pool, tables[0], tables[1], [len(s.block_table) for s in seqs])
+        for seq, vote in zip(seqs, votes, strict=True):
+            if vote and seq not in bad:
+                bad[seq] = IntegrityError(
+                    f"request {seq.request_id}: a KV page's generation tag differs on tensor-parallel "
+                    f"rank {vote - 1}; its pages cannot be trusted (failing closed)"
+                )
+                self.integrity.counters.mismatches += 1
+        return bad
 
     # ------------------------------------------------------------------ requests
 
@@ -195,8 +299,9 @@ class LLMEngine:
             )
         rid = self._new_id(request_id or payload.request_id)
         self.integrity.verify_payload(rid, payload.layers, payload.meta)  # audit: raises IntegrityError
+        write = self.tp.scatter_pages if self.tp is not None else None
         try:
-            seq = handoff.receive(payload, self.pool, params, rid, self.config.kernel_backend)
+            seq = handoff.receive(payload, self.pool, params, rid, self.config.kernel_backend, write)
         except OutOfPages as exc:  # receive released what it took
             raise CapacityError("decode KV pool is full; retry later") from exc
         try:
@@ -273,7 +378,7 @@ class LLMEngine:
         pool = self.prefill_pool if step.phase == "prefill" else self.pool
         # the step's block tables, built once: the integrity check and the model read the same ones
         tables = block_table_tensor(step.seqs, pool.tag_table.device)
-        bad = self.integrity.check(step.seqs, pool, tables)
+        bad = self._check_tags(step.seqs, pool, tables)
         if bad:
             outputs += [self._fail_integrity(seq, err) for seq, err in bad.items()]
             step, tables = step.excluding(bad), None
@@ -302,8 +407,13 @@ class LLMEngine:
                 self._requests[seq.request_id].check_stop(tok)
                 if seq.prefill_only and not seq.finished:
                     # audit mode adds per-page checksums to the payload
-                    payloads[seq] = handoff.payload_of(seq, self.prefill_pool, self.integrity.payload_meta)
+                    extract = self.tp.gather_pages if self.tp is not None else handoff.extract_pages
+                    payloads[seq] = handoff.payload_of(
+                        seq, self.prefill_pool, self.integrity.payload_meta, extract
+                    )
                     seq.finish("prefilled")
+            except ReplicaFailure:
+                raise
             except Exception as exc:
                 post_errors[seq] = self._log_failure([seq], "output", exc)
         for seq in step.seqs:
@@ -346,6 +456,8 @@ class LLMEngine:
         }
         try:
             return self.runner.run(step, pool, tables), {}
+        except ReplicaFailure:
+            raise  # the replica cannot run anything any more: no retry
         except Exception as exc:
             first = exc
         sampled: dict[Sequence, int] = {}
@@ -382,6 +494,8 @@ class LLMEngine:
                     seq.generator.set_state(gens[seq])
             try:
                 sampled.update(self.runner.run(sub, pool))
+            except ReplicaFailure:
+                raise
             except Exception as exc:
                 if len(part) == 1:
                     failed[part[0]] = exc
@@ -419,16 +533,19 @@ class LLMEngine:
         Pages are tag-checked before they are copied; returns the outputs of requests failed closed."""
         failed: list[RequestOutput] = []
         for seq in self.scheduler.awaiting_migration():
-            err = self.integrity.check([seq], self.prefill_pool).get(seq)
+            err = self._check_tags([seq], self.prefill_pool).get(seq)
             if err is not None:
                 failed.append(self._fail_integrity(seq, err))
                 continue
+            mirror = self.tp.migrate if self.tp is not None else None
             try:
                 refs = handoff.migrate(
-                    self.prefill_pool, self.pool, seq.block_table, self.config.kernel_backend
+                    self.prefill_pool, self.pool, seq.block_table, self.config.kernel_backend, mirror
                 )
             except OutOfPages:
                 break  # decode frees pages as sequences finish; try again next step
+            except ReplicaFailure:
+                raise
             except Exception as exc:  # migrate released what it took in the decode pool
                 out = self._fail_request(seq, self._log_failure([seq], "KV migration", exc))
                 failed += [out] if out is not None else []

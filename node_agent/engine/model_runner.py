@@ -15,25 +15,47 @@ from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.llama import LlamaForCausalLM
 from pagoda.node_agent.models.loader import LoadedModel
+from pagoda.node_agent.models.parallel import (
+    TensorParallel,
+    local_config,
+    make_plan,
+    mlp_units,
+    shard_weights,
+)
 
 
 def build_model(
-    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, group=None
 ) -> LlamaForCausalLM:
-    """The model with each phase's weight format (a single-phase worker holds only its phase's)."""
+    """The model with each phase's weight format (a single-phase worker holds only its phase's).
+    With a tensor-parallel ``group`` (engine/parallel_group.py): this rank's slice of it."""
     formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
     if config.role in formats:
         formats = dict.fromkeys(formats, formats[config.role])
+    cfg, weights, tp = loaded.config, loaded.weights, None
+    if group is not None:
+        fmts = set(formats.values())
+        units = mlp_units(weights, cfg, fmts, config.int4_group_size)
+        plan = make_plan(cfg, group.rank, group.world, *units)
+        weights = shard_weights(weights, cfg, plan, fmts)
+        cfg = local_config(cfg, plan)
+        tp = TensorParallel(plan, loaded.config.vocab_size, group.data)
     with int4_cpu_compute(config.int4_compute):
-        return _build(config, loaded, formats, dtype, device)
+        return _build(config, cfg, weights, formats, dtype, device, tp)
 
 
 def _build(
-    config: EngineConfig, loaded: LoadedModel, formats: dict, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    cfg: ModelConfig,
+    weights: dict,
+    formats: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None,
 ):
     return LlamaForCausalLM(
-        loaded.config,
-        loaded.weights,
+        cfg,
+        weights,
         formats,
         dtype,
         device,
@@ -41,6 +63,7 @@ def _build(
         int4_group_size=config.int4_group_size,
         decode_head_format="dense" if config.role == "prefill" else config.decode_lm_head,
         head_phases_shared=config.role == "decode",
+        tp=tp,
     )
 
 
@@ -57,6 +80,18 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.kernel_backend = kernel_backend
+        self.driver = None  # tensor parallel rank 0: sends each batch to the other ranks first
+
+    def forward(
+        self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None = None, logits: bool = True
+    ):
+        """Run the model on ``batch`` (on every rank of a tensor-parallel replica); logits or None."""
+        if self.driver is not None:
+            return self.driver.run_model(batch, pool, weights_phase, logits)
+        if not logits:
+            self.model.forward_no_logits(batch)
+            return None
+        return self.model.forward(batch, weights_phase=weights_phase)
 
     def build_batch(
         self,
@@ -129,7 +164,7 @@ class ModelRunner:
         try:
             batch, _ = self.build_batch(ScheduledStep("prefill", [seq], [len(token_ids)]), pool)
             batch.logits_indices = torch.arange(len(token_ids), device=self.device)
-            return self.model.forward(batch, weights_phase=phase)
+            return self.forward(batch, pool, weights_phase=phase)
         finally:
             pool.release_all(seq.block_table)
 
@@ -142,7 +177,7 @@ class ModelRunner:
         """Run one step; returns the sampled token for each sequence that reached its newest token."""
         batch, samplers = self.build_batch(step, pool, tables)
         if not samplers:
-            self.model.forward_no_logits(batch)
+            self.forward(batch, pool, logits=False)
             return {}
-        logits = self.model.forward(batch)
+        logits = self.forward(batch, pool)
         return dict(zip(samplers, sample(logits, samplers), strict=True))

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.fp8_format import amax_scale, quantize_fp8
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.kernels.linear import LinearWeight, make_linear_weight
+from pagoda.kernels.linear import Fp8Linear, LinearWeight, make_linear_weight
+from pagoda.node_agent.models.parallel import ColumnShard
 from pagoda.node_agent.models.step_ops import OPS, rms_norm
 
 PHASES = ("prefill", "decode")
@@ -34,11 +36,14 @@ def prequantized_format(w: object) -> str | None:
 
 
 class PhaseLinear:
-    """A linear layer holding a weight per phase (shared when both phases use the same format)."""
+    """A linear layer holding a weight per phase (shared when both phases use the same format).
+
+    A tensor-parallel column slice (ColumnShard) is quantized as its share of the whole row: the
+    row's INT4 group size and FP8 scale."""
 
     def __init__(
         self,
-        weight: torch.Tensor | Int4Weight | Fp8Weight,
+        weight: torch.Tensor | Int4Weight | Fp8Weight | ColumnShard,
         bias: torch.Tensor | None,
         formats: dict[str, str],
         dtype: torch.dtype,
@@ -47,6 +52,11 @@ class PhaseLinear:
     ) -> None:
         self.by_phase: dict[str, LinearWeight] = {}
         made: dict[str, LinearWeight] = {}
+        shard = weight if isinstance(weight, ColumnShard) else None
+        if shard is not None:
+            weight = shard.weight
+            if "int4" in formats.values() and not isinstance(weight, Int4Weight):
+                group_size = shard.int4_group(group_size)
         stored = prequantized_format(weight)
         dense = weight  # a prequantized weight serves its own format as is, others dequantized
         if stored is not None and any(f != stored for f in formats.values()):
@@ -55,9 +65,14 @@ class PhaseLinear:
             fmt = formats[phase]
             if fmt not in made:
                 src = weight if fmt == stored else dense
-                made[fmt] = make_linear_weight(
-                    src, fmt, dtype, bias=bias, backend=backend, group_size=group_size
-                )
+                if fmt == "fp8" and stored != "fp8" and shard is not None and shard.row_amax is not None:
+                    scale = amax_scale(shard.row_amax)  # the whole row's per-channel scale
+                    w8 = Fp8Weight(quantize_fp8(src.detach(), scale[:, None]), scale)
+                    made[fmt] = Fp8Linear(w8, bias, backend)
+                else:
+                    made[fmt] = make_linear_weight(
+                        src, fmt, dtype, bias=bias, backend=backend, group_size=group_size
+                    )
             self.by_phase[phase] = made[fmt]
         self.out_features = weight.shape[0] if stored is None else weight.out_features
 

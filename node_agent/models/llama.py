@@ -23,6 +23,7 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
 )
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.models.parallel import ColumnShard, TensorParallel
 from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from pagoda.node_agent.models.step_ops import OPS
 from pagoda.node_agent.models.weight_bytes import weight_breakdown
@@ -33,6 +34,9 @@ HEAD_INT4_GROUP = 32
 
 def _to_device(v, device: torch.device):
     """A tensor, or a fresh copy of a prequantized weight (never mutating the loaded one), on device."""
+    if isinstance(v, ColumnShard):
+        amax = None if v.row_amax is None else v.row_amax.to(device)
+        return ColumnShard(_to_device(v.weight, device), v.full_in, amax)
     if isinstance(v, Int4Weight):
         return Int4Weight.from_state({k: t.to(device) for k, t in v.state().items()}, v.meta())
     if isinstance(v, Fp8Weight):
@@ -50,10 +54,12 @@ class DecoderLayer:
         dtype: torch.dtype,
         backend: str | None,
         group_size: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         p = f"model.layers.{idx}."
         self.idx = idx
         self.cfg = cfg
+        self.tp = tp  # tensor parallel: o_proj and the MLP give partial sums, reduced here
 
         def lin(name: str) -> PhaseLinear:
             return PhaseLinear(
@@ -80,7 +86,10 @@ class DecoderLayer:
             self.o_proj = lin("self_attn.o_proj")
         self.mlp: DenseMLP | MoeMLP
         if cfg.is_sparse(idx):
-            self.mlp = MoeMLP(cfg.moe, cfg.hidden_size, p + "mlp.", w, formats, dtype, backend, group_size)
+            experts = tp.plan.experts if tp is not None else None
+            self.mlp = MoeMLP(
+                cfg.moe, cfg.hidden_size, p + "mlp.", w, formats, dtype, backend, group_size, experts
+            )
         else:
             self.mlp = DenseMLP(p + "mlp", w, formats, dtype, backend, group_size)
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
@@ -119,8 +128,8 @@ class DecoderLayer:
     ) -> torch.Tensor:
         cfg = self.cfg
         if self.mla is not None:
-            x = x + self.mla(self.input_norm(x), cos, sin, b, phase)
-            return x + self.mlp(self.post_norm(x), phase)
+            x = x + self._reduce(self.mla(self.input_norm(x), cos, sin, b, phase))
+            return x + self._reduce(self.mlp(self.post_norm(x), phase))
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
         cache = b.kv.layer_cache(self.idx)
         scales = b.kv.layer_scales(self.idx)
@@ -152,8 +161,13 @@ class DecoderLayer:
                 vs,
                 backend=b.kernel_backend,
             )
-        x, h = OPS["add_rms_norm"](x, self.o_proj(o.reshape(x.shape[0], -1), phase), *self.post_norm.args())
-        return x + self.mlp(h, phase)
+        attn = self._reduce(self.o_proj(o.reshape(x.shape[0], -1), phase))
+        x, h = OPS["add_rms_norm"](x, attn, *self.post_norm.args())
+        return x + self._reduce(self.mlp(h, phase))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The whole output from every rank's partial sum (the identity on one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 class LlamaForCausalLM:
@@ -170,14 +184,16 @@ class LlamaForCausalLM:
         int4_group_size: int | None = None,
         decode_head_format: str = "dense",
         head_phases_shared: bool = False,
+        tp: TensorParallel | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.cfg = cfg  # under tensor parallelism: this rank's slice (its heads and MLP width)
         self.dtype = dtype
         self.device = device
+        self.tp = tp
         w = {k: _to_device(v, device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
         self.layers = [
-            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size, tp) for i in range(cfg.num_layers)
         ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
@@ -191,7 +207,7 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def hidden(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
         """Run every layer (writing KV into the pool); returns the last hidden states [T, hidden]."""
-        x = F.embedding(b.input_ids, self.embed)
+        x = F.embedding(b.input_ids, self.embed) if self.tp is None else self.tp.embed(b.input_ids, self.embed)
         cos, sin = self.cos[b.positions], self.sin[b.positions]
         for layer in self.layers:
             x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
@@ -200,9 +216,11 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def forward(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
         """Run one step; returns logits [len(logits_indices), vocab] in float32. ``weights_phase``
-        overrides which phase's weights run (the attention path still follows ``b.phase``)."""
+        overrides which phase's weights run (the attention path still follows ``b.phase``). Under
+        tensor parallelism only rank 0's logits are whole."""
         x = self.norm(self.hidden(b, weights_phase)[b.logits_indices])
-        return self.lm_head(x, weights_phase or b.phase).float()
+        logits = self.lm_head(x, weights_phase or b.phase).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def forward_no_logits(self, b: StepBatch) -> None:
         """A prefill chunk that samples nothing: only its KV matters."""

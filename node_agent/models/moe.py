@@ -102,9 +102,14 @@ class MoeMLP:
         dtype: torch.dtype,
         backend: str | None,
         group_size: int | None = None,
+        experts: tuple[int, int] | None = None,
     ) -> None:
+        """``experts``: the range of routed experts this rank holds (expert parallelism; renumbered
+        from 0 in ``w``), None for all of them."""
         self.cfg = cfg
         self.backend = backend
+        self.experts = experts or (0, cfg.num_experts)
+        n_local = self.experts[1] - self.experts[0]
         self.router = w[prefix + "gate.weight"].float().contiguous()  # [E, H], dense float32
         if tuple(self.router.shape) != (cfg.num_experts, hidden_size):
             raise ModelLoadError(
@@ -115,16 +120,16 @@ class MoeMLP:
             torch.zeros(cfg.num_experts, device=self.router.device) if bias is None else bias.float()
         )
         # A prequantized checkpoint's experts serve their own format as stored; dequantized for others.
-        pre = prequantized_expert_stack(w, prefix, cfg.num_experts)
+        pre = prequantized_expert_stack(w, prefix, n_local)
         if pre is None:
-            gate, up, down = expert_weights(w, prefix, cfg.num_experts)
+            gate, up, down = expert_weights(w, prefix, n_local)
         elif any(_STACK_FORMATS.get(formats[p]) != pre.fmt for p in PHASES):
             gate, up, down = dense_experts(pre)
         else:
             gate = up = torch.empty(pre.num_experts, pre.intermediate, pre.hidden, device="meta")
             down = gate.transpose(1, 2)  # shapes only: every phase serves the stored stack
         e, i, h = gate.shape
-        if (e, i, h) != (cfg.num_experts, cfg.expert_intermediate_size, hidden_size) or tuple(down.shape) != (
+        if (e, i, h) != (n_local, cfg.expert_intermediate_size, hidden_size) or tuple(down.shape) != (
             e,
             h,
             i,
@@ -177,7 +182,14 @@ class MoeMLP:
         )
 
     def __call__(self, h: torch.Tensor, phase: str) -> torch.Tensor:
+        """The MLP output; with expert parallelism this rank's share (its experts' terms and its
+        slice of the shared experts), which the layer sums over the ranks."""
         weights, ids = self.route(h)
+        e0, e1 = self.experts
+        if (e0, e1) != (0, self.cfg.num_experts):  # other ranks' experts count zero here
+            mine = (ids >= e0) & (ids < e1)
+            weights = weights * mine
+            ids = torch.where(mine, ids - e0, torch.zeros_like(ids))
         out = fused_moe(h, weights, ids, self.stacks[phase], backend=self.backend)
         if self.shared is not None:
             out = out + self.shared(h, phase)

@@ -83,7 +83,7 @@ class KVLimits:
         return cls(
             num_layers=pool.num_layers,
             page_size=pool.page_size,
-            component_shapes={c: tuple(s) for c, s in pool.components.items()},
+            component_shapes={c: tuple(s) for c, s in pool.replica_components.items()},
             vocab_size=engine.model_config.vocab_size,
             max_model_len=engine.max_model_len,
             generator_state_len=int(torch.Generator().get_state().numel()),

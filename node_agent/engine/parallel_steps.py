@@ -1,0 +1,488 @@
+"""What rank 0 of a tensor-parallel replica tells the other ranks, and how they follow.
+
+Rank 0 owns the scheduler, the allocators and every request. Each instruction it broadcasts (on the
+control group) is a fixed int64 header and an int64 body; no object is ever unpickled:
+
+- every instruction first carries the pages rank 0 allocated since the last one, per pool, so each
+  rank moves its own generation tags on in the same order (a rank's tag table is its own);
+- CHECK: the step's block tables and expected tags; every rank compares them with its tag table
+  and the ranks vote (max of rank + 1 over the data group), so a mismatch found on any rank fails
+  the request on all of them;
+- STEP: the batch tensors (tokens, positions, slots, block tables, lengths, logit rows); every rank
+  runs its slice of the model, rank 0 samples from the gathered logits;
+- MIGRATE / GATHER / SCATTER: copy pages between a rank's pools, collect every rank's heads of some
+  pages on rank 0 (a handoff payload holds all heads), or send each rank its heads of arriving pages;
+- NOOP: a keepalive vote, so an idle replica still notices a rank that died; FAULT: a test-only tag
+  drift on one rank; STOP: the workers exit.
+
+A worker records each instruction it finished (parallel_group.ParallelGroup.ack). Any collective
+error or timeout on rank 0 becomes a ReplicaFailure naming the rank; the replica cannot continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from pagoda.kernels.integrity import check_page_tags
+from pagoda.node_agent.engine.handoff import convert_into, extract_pages
+from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
+from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
+from pagoda.node_agent.models.batch import StepBatch
+
+log = logging.getLogger("pagoda.parallel")
+
+MAGIC = 0x5041474F  # "PAGO"
+HEADER = 12  # [magic, op, seq, n_alloc_0, n_alloc_1, n_body, arg0..arg5]
+MAX_BODY = 1 << 26  # int64 values in one instruction's body
+
+
+class Op(IntEnum):
+    NOOP = 1
+    CHECK = 2
+    STEP = 3
+    MIGRATE = 4
+    GATHER = 5
+    SCATTER = 6
+    FAULT = 7
+    STOP = 8
+
+
+PHASE_CODES = {"prefill": 0, "decode": 1}
+PHASE_NAMES = {v: k for k, v in PHASE_CODES.items()}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 CPU tensor (gloo moves no float8)."""
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+
+
+def _from_raw(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return raw.view(dtype).reshape(shape)
+
+
+class _Pools:
+    """The replica's pools by index: 0 = the prefill pool, 1 = the decode pool (one pool: index 0)."""
+
+    def __init__(self, prefill: KVPagePool, decode: KVPagePool) -> None:
+        self.list = [prefill] if prefill is decode else [prefill, decode]
+
+    def index(self, pool: KVPagePool) -> int:
+        for i, p in enumerate(self.list):
+            if p is pool:
+                return i
+        raise ValueError(f"pool {pool.name} is not one of the replica's pools")
+
+    def get(self, i: int) -> KVPagePool:
+        if not 0 <= i < len(self.list):
+            raise ValueError(f"instruction names pool {i}; this replica has {len(self.list)}")
+        return self.list[i]
+
+
+class ParallelDriver:
+    """Rank 0's side: every method is one instruction, and raises ReplicaFailure if the group fails."""
+
+    def __init__(
+        self, group: ParallelGroup, model, prefill_pool: KVPagePool, pool: KVPagePool, head_split, backend
+    ) -> None:
+        self.group = group
+        self.backend = backend
+        self.model = model
+        self.pools = _Pools(prefill_pool, pool)
+        for p in self.pools.list:
+            p.alloc_log = []  # what the other ranks must mirror
+        self.head_split = head_split  # per rank: the KV heads of its pool ((start, end) in the whole model)
+        self.seq = 0
+        self.failed: str | None = None
+        self.device = model.device
+        self.last_sent = time.monotonic()
+        self.keepalive_s = min(2.0, group.timeout_s / 4)
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, op: Op, body: list[int] | torch.Tensor = (), args: tuple[int, ...] = ()) -> int:
+        if self.failed:
+            raise ReplicaFailure(self.failed)
+        self.seq += 1
+        self.last_sent = time.monotonic()
+        allocs = [p.alloc_log for p in self.pools.list]
+        counts = [len(a) for a in allocs] + [0] * (2 - len(allocs))
+        body_t = body if isinstance(body, torch.Tensor) else torch.tensor(list(body), dtype=torch.long)
+        flat = torch.cat(
+            [torch.tensor([x for a in allocs for x in a], dtype=torch.long), body_t.long().cpu()]
+        )
+        header = torch.tensor(
+            [MAGIC, int(op), self.seq, counts[0], counts[1], flat.numel(), *args, *[0] * (6 - len(args))],
+            dtype=torch.long,
+        )
+        for a in allocs:
+            a.clear()
+        dist.broadcast(header, src=0, group=self.group.control)
+        if flat.numel():
+            dist.broadcast(flat, src=0, group=self.group.control)
+        return self.seq
+
+    def _guard(self, fn, *args):
+        """Run one instruction; any failure of the group becomes a ReplicaFailure naming the rank."""
+        if self.failed:
+            raise ReplicaFailure(self.failed)
+        try:
+            return fn(*args)
+        except ReplicaFailure:
+            raise
+        except Exception as exc:
+            self.failed = self.group.describe_failure(exc, self.seq)
+            log.error("the replica failed: %s", self.failed)
+            raise ReplicaFailure(self.failed) from exc
+
+    # ------------------------------------------------------------------ instructions
+
+    def keepalive_if_due(self) -> None:
+        if time.monotonic() - self.last_sent >= self.keepalive_s:
+            self.keepalive()
+
+    def keepalive(self) -> None:
+        """An empty vote: fails (naming the rank) when a rank died or hangs, even while idle."""
+        self._guard(self._vote_args, Op.NOOP, torch.zeros(1, dtype=torch.long), (), ())
+
+    def check(
+        self, pool: KVPagePool, pages: torch.Tensor, tags: torch.Tensor, counts: list[int]
+    ) -> list[int]:
+        """Every other rank's tag check of the batch: per sequence, 0 or the (highest) rank + 1 that
+        found a mismatch. Rank 0 checks its own table in the integrity tracker as before."""
+        b, w = pages.shape
+        body = torch.cat(
+            [pages.reshape(-1).long().cpu(), tags.reshape(-1).long().cpu(), torch.tensor(counts)]
+        )
+        out = self._guard(
+            lambda: self._vote_args(
+                Op.CHECK, torch.zeros(b, dtype=torch.long), body, (self.pools.index(pool), b, w)
+            )
+        )
+        return out.tolist()
+
+    def _vote_args(self, op: Op, local: torch.Tensor, body, args) -> torch.Tensor:
+        self._send(op, body, args)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group.data)
+        return local
+
+    def run_model(self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None, logits: bool):
+        """Send the batch, then run rank 0's slice; returns the logits (or None)."""
+        return self._guard(self._run_model, batch, pool, weights_phase, logits)
+
+    def _run_model(self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None, logits: bool):
+        parts = [
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables.reshape(-1),
+            batch.context_lens,
+            batch.cu_q_lens,
+            batch.logits_indices,
+        ]
+        sizes = [p.numel() for p in parts]
+        body = torch.cat([p.reshape(-1).long().cpu() for p in parts])
+        wp = PHASE_CODES[weights_phase] if weights_phase else -1
+        args = (self.pools.index(pool), PHASE_CODES[batch.phase], wp, int(logits), *sizes[:2])
+        self._send(Op.STEP, torch.cat([torch.tensor(sizes), body]), args)
+        if not logits:
+            self.model.forward_no_logits(batch)
+            return None
+        return self.model.forward(batch, weights_phase=weights_phase)
+
+    def migrate(
+        self, src: KVPagePool, dst: KVPagePool, src_refs: list[PageRef], dst_refs: list[PageRef]
+    ) -> None:
+        """The other ranks copy the same pages between their pools (rank 0 copies its own)."""
+        body = [r.page for r in src_refs] + [r.page for r in dst_refs]
+        args = (self.pools.index(src), self.pools.index(dst), len(src_refs))
+        self._guard(lambda: self._vote_args(Op.MIGRATE, torch.zeros(1, dtype=torch.long), body, args))
+
+    def gather_pages(self, pool: KVPagePool, refs: list[PageRef]):
+        """(layers, static scales) of ``refs`` with every rank's heads, as one rank would hold them."""
+        return self._guard(self._gather, pool, refs)
+
+    def _gather(self, pool: KVPagePool, refs: list[PageRef]):
+        self._send(Op.GATHER, [r.page for r in refs], (self.pools.index(pool), len(refs)))
+        layers, scales = extract_pages(pool, refs)
+        if not _split_by_head(pool):
+            _barrier(self.group)
+            return layers, scales
+        per_rank = [(layers, scales)]
+        for r in range(1, self.group.world):
+            per_rank.append(_recv_pages(pool, len(refs), self.head_split[r], r, self.group))
+        _barrier(self.group)
+        return _concat_heads(per_rank)
+
+    def scatter_pages(
+        self,
+        pool: KVPagePool,
+        refs: list[PageRef],
+        layers: list[dict[str, torch.Tensor]],
+        scales: list[dict[str, torch.Tensor]] | None,
+    ) -> None:
+        """Write arriving whole-head pages into ``refs``: each rank converts its heads."""
+        self._guard(self._scatter, pool, refs, layers, scales)
+
+    def _scatter(self, pool, refs, layers, scales) -> None:
+        self._send(Op.SCATTER, [r.page for r in refs], (self.pools.index(pool), len(refs)))
+        split = _split_by_head(pool)
+        for r in range(1, self.group.world):
+            h = self.head_split[r] if split else None
+            _send_pages(_slice_heads(layers, scales, h), r, self.group)
+        mine = _slice_heads(layers, scales, self.head_split[0] if split else None)
+        convert_into(pool, refs, mine[0], mine[1], backend=self.backend)
+        _barrier(self.group)
+
+    def drift_tag(self, rank: int, pool: KVPagePool, page: int) -> None:
+        """Test only: rank ``rank`` moves its own tag of ``page`` on, as a missed reallocation would."""
+        self._guard(
+            lambda: self._vote_args(
+                Op.FAULT, torch.zeros(1, dtype=torch.long), [page], (self.pools.index(pool), rank)
+            )
+        )
+
+    def stop(self) -> None:
+        if self.failed:
+            return
+        try:
+            self._send(Op.STOP)
+        except Exception as exc:
+            log.warning("could not tell the other ranks to stop: %s", exc)
+
+
+# ---------------------------------------------------------------------------------- page transfer
+
+
+def _split_by_head(pool: KVPagePool) -> bool:
+    """GQA pools hold each rank's KV heads; MLA's latent pool is whole on every rank."""
+    return "latent" not in pool.components
+
+
+def _barrier(group: ParallelGroup) -> None:
+    dist.all_reduce(torch.zeros(1, dtype=torch.long), group=group.data)
+
+
+def _slice_heads(layers, scales, heads):
+    """Per-layer pages (and static per-head scales) restricted to KV heads [h0, h1) (None: all)."""
+    if heads is None:
+        return layers, scales
+    h0, h1 = heads
+    out = [{c: t[:, :, h0:h1].contiguous() for c, t in layer.items()} for layer in layers]
+    sc = [{c: s[h0:h1].contiguous() for c, s in layer.items()} for layer in scales] if scales else None
+    return out, sc
+
+
+def _concat_heads(per_rank):
+    """Every rank's pages (in rank order) joined along the head dimension."""
+    layers = [
+        {c: torch.cat([pr[0][li][c] for pr in per_rank], dim=2) for c in per_rank[0][0][li]}
+        for li in range(len(per_rank[0][0]))
+    ]
+    scales = None
+    if per_rank[0][1] is not None:
+        scales = [
+            {c: torch.cat([pr[1][li][c] for pr in per_rank]) for c in per_rank[0][1][li]}
+            for li in range(len(per_rank[0][1]))
+        ]
+    return layers, scales
+
+
+def _tensor_list(layers, scales) -> list[torch.Tensor]:
+    """The transfer order: every layer's components (sorted), then every layer's static scales."""
+    out = [layer[c] for layer in layers for c in sorted(layer)]
+    if scales:
+        out += [s[c] for s in scales for c in sorted(s)]
+    return out
+
+
+def _send_pages(pages, dst: int, group: ParallelGroup) -> None:
+    for t in _tensor_list(*pages):
+        dist.send(_raw(t), dst=dst, group=group.data)
+
+
+def _recv_pages(pool: KVPagePool, n: int, heads: tuple[int, int], src: int, group: ParallelGroup):
+    """Rank ``src``'s pages of ``pool``'s layout (its ``heads``), received in _tensor_list order."""
+    h = heads[1] - heads[0]
+    layers = []
+    for layer in pool.layers:
+        got = {}
+        for c in sorted(layer):
+            t = layer[c]
+            shape = (n, t.shape[1], h, *t.shape[3:])
+            got[c] = _recv(t.dtype, shape, src, group)
+        layers.append(got)
+    scales = None
+    if pool.static_scales and any(pool.static_scales):
+        scales = [{c: _recv(s.dtype, (h,), src, group) for c in sorted(s)} for s in pool.static_scales]
+    return layers, scales
+
+
+def _recv(dtype: torch.dtype, shape: tuple[int, ...], src: int, group: ParallelGroup) -> torch.Tensor:
+    size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(size, dtype=torch.uint8)
+    dist.recv(raw, src=src, group=group.data)
+    return _from_raw(raw, dtype, shape)
+
+
+# ---------------------------------------------------------------------------------- the workers
+
+
+class Follower:
+    """A worker rank's loop: receive an instruction, mirror rank 0's allocations, carry it out."""
+
+    def __init__(self, group: ParallelGroup, model, prefill_pool: KVPagePool, pool: KVPagePool, backend):
+        self.group = group
+        self.model = model
+        self.pools = _Pools(prefill_pool, pool)
+        self.backend = backend
+        self.device = model.device
+
+    def run(self) -> int:
+        """Follow until STOP (returns 0) or until the group is lost (returns 3)."""
+        rank = self.group.rank
+        while True:
+            try:
+                header = torch.zeros(HEADER, dtype=torch.long)
+                dist.broadcast(header, src=0, group=self.group.control)
+                op, seq = self._validate(header)
+                flat = torch.zeros(int(header[5]), dtype=torch.long)
+                if flat.numel():
+                    dist.broadcast(flat, src=0, group=self.group.control)
+            except Exception as exc:
+                log.error("tensor-parallel rank %d lost rank 0: %s", rank, exc)
+                return 3
+            if op == Op.STOP:
+                return 0
+            try:
+                body = self._mirror(header, flat)
+                self._carry_out(op, header[6:].tolist(), body)
+                self.group.ack(seq)
+            except Exception:
+                log.exception("tensor-parallel rank %d failed instruction #%d (%s)", rank, seq, op.name)
+                return 3
+
+    def _validate(self, header: torch.Tensor) -> tuple[Op, int]:
+        if int(header[0]) != MAGIC:
+            raise ValueError("instruction header has the wrong magic")
+        n = int(header[5])
+        if (
+            not 0 <= n <= MAX_BODY
+            or int(header[3]) < 0
+            or int(header[4]) < 0
+            or int(header[3]) + int(header[4]) > n
+        ):
+            raise ValueError(f"instruction sizes out of range: {header.tolist()}")
+        return Op(int(header[1])), int(header[2])
+
+    def _mirror(self, header: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """Move this rank's tags on for the pages rank 0 allocated; returns the instruction's body."""
+        at = 0
+        for i, n in enumerate((int(header[3]), int(header[4]))):
+            if n:
+                self.pools.get(i).bump_tags(flat[at : at + n].tolist())
+            at += n
+        return flat[at:]
+
+    def _carry_out(self, op: Op, args: list[int], body: torch.Tensor) -> None:
+        data = self.group.data
+        if op == Op.NOOP:
+            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+        elif op == Op.CHECK:
+            pool, b, w = self.pools.get(args[0]), args[1], args[2]
+            self._check_sizes(body, 2 * b * w + b)
+            pages = body[: b * w].view(b, w).to(torch.int32)
+            tags = body[b * w : 2 * b * w].view(b, w).to(torch.int32)
+            counts = body[2 * b * w :].to(torch.int32)
+            dev = pool.tag_table.device
+            mask = check_page_tags(
+                pages.to(dev), tags.to(dev), counts.to(dev), pool.tag_table, backend=self.backend
+            )
+            vote = mask.cpu().long() * (self.group.rank + 1)
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=data)
+        elif op == Op.STEP:
+            self._step(args, body)
+        elif op == Op.MIGRATE:
+            src, dst, n = self.pools.get(args[0]), self.pools.get(args[1]), args[2]
+            self._check_sizes(body, 2 * n)
+            src_idx = body[:n].to(src.device)
+            dst_refs = [PageRef(int(p), 0) for p in body[n:]]
+            self._check_pages(src, body[:n])
+            self._check_pages(dst, body[n:])
+            convert_into(dst, dst_refs, src.layers, src.static_scales, src_idx, self.backend)
+            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+        elif op == Op.GATHER:
+            pool, n = self.pools.get(args[0]), args[1]
+            self._check_sizes(body, n)
+            self._check_pages(pool, body)
+            refs = [PageRef(int(p), 0) for p in body]
+            if _split_by_head(pool):
+                _send_pages(extract_pages(pool, refs), 0, self.group)
+            _barrier(self.group)
+        elif op == Op.SCATTER:
+            pool, n = self.pools.get(args[0]), args[1]
+            self._check_sizes(body, n)
+            self._check_pages(pool, body)
+            refs = [PageRef(int(p), 0) for p in body]
+            heads = (0, pool.components[next(iter(pool.components))][0])
+            layers, scales = _recv_pages(pool, n, heads, 0, self.group)
+            convert_into(pool, refs, layers, scales, backend=self.backend)
+            _barrier(self.group)
+        elif op == Op.FAULT:
+            pool, rank = self.pools.get(args[0]), args[1]
+            self._check_sizes(body, 1)
+            if rank == self.group.rank:
+                self._check_pages(pool, body)
+                pool.bump_tags([int(body[0])])
+            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+        else:
+            raise ValueError(f"unknown instruction {op}")
+
+    def _step(self, args: list[int], body: torch.Tensor) -> None:
+        pool = self.pools.get(args[0])
+        phase = PHASE_NAMES[args[1]]
+        weights_phase = PHASE_NAMES.get(args[2])
+        logits = bool(args[3])
+        sizes = body[:7].tolist()
+        data = body[7:]
+        self._check_sizes(data, sum(sizes))
+        parts = list(torch.split(data, sizes))
+        ids, pos, slots, tables, ctx, cu, rows = parts
+        b = ctx.numel()
+        w = tables.numel() // max(1, b)
+        if ids.numel() != pos.numel() or slots.numel() != ids.numel() or cu.numel() != b + 1:
+            raise ValueError("a step's tensors disagree in size")
+        self._check_pages(pool, tables)
+        if bool((slots < 0).any()) or bool((slots >= pool.num_pages * pool.page_size).any()):
+            raise ValueError("a step writes outside the pool")
+        dev = self.device
+        batch = StepBatch(
+            phase=phase,
+            kv=pool,
+            input_ids=ids.to(dev),
+            positions=pos.to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=tables.view(b, w).to(torch.int32).to(pool.tag_table.device),
+            context_lens=ctx.to(device=dev, dtype=torch.int32),
+            cu_q_lens=cu.to(device=dev, dtype=torch.int32),
+            logits_indices=rows.to(dev),
+            kernel_backend=self.backend,
+        )
+        if logits:
+            self.model.forward(batch, weights_phase=weights_phase)
+        else:
+            self.model.forward_no_logits(batch)
+
+    @staticmethod
+    def _check_sizes(body: torch.Tensor, n: int) -> None:
+        if body.numel() != n:
+            raise ValueError(f"instruction body has {body.numel()} values, expected {n}")
+
+    @staticmethod
+    def _check_pages(pool: KVPagePool, pages: torch.Tensor) -> None:
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= pool.num_pages):
+            raise ValueError(f"instruction names a page outside {pool.name} ({pool.num_pages} pages)")
