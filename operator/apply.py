@@ -3,8 +3,9 @@
 A child is in sync when every field the operator sets has the value it sets (fields the API
 server adds or defaults are ignored). Fields the operator set on a previous pass and no longer
 sets are removed via the ``pagoda.dev/last-applied`` annotation, as a three-way merge. A
-Deployment's ``spec.replicas`` is never recorded there: when an autoscaler takes a pool over, the
-operator stops setting it, and must not remove it either (the API server would reset it to 1).
+Deployment's (or LeaderWorkerSet's) ``spec.replicas`` is never recorded there: when an autoscaler
+takes a pool over, the operator stops setting it, and must not remove it either (the API server
+would reset it to 1).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def removals(old: Any, new: Any) -> Any:
 def _unowned_removed(obj: Obj) -> Obj:
     """``obj`` without the fields a removal must never touch (a Deployment's replicas)."""
     out = json.loads(json.dumps(obj))
-    if out.get("kind") == "Deployment" and isinstance(out.get("spec"), dict):
+    if out.get("kind") in ("Deployment", "LeaderWorkerSet") and isinstance(out.get("spec"), dict):
         out["spec"].pop("replicas", None)
     return out
 

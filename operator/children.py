@@ -22,7 +22,7 @@ from typing import Any
 
 from . import podspec, scaling
 from .config import Config
-from .spec import API_VERSION, KIND, Drain, Pool, Spec
+from .spec import API_VERSION, KIND, POOLS, Drain, Pool, Spec
 
 PORT = 8000
 KV_PORT = 9000  # decode pods receive KV pages from prefill pods here
@@ -45,6 +45,13 @@ API_KEYS_FILE = f"{API_KEYS_DIR}/keys"
 API_KEYS_MODE = 0o444
 HEADLESS_LABEL = "pagoda.dev/headless"  # per-pod DNS Services; the ServiceMonitor skips them
 PROBE_PERIOD_S = 10
+DIST_PORT = 29500  # rank 0's torch.distributed rendezvous port, on the leader of a multi-node replica
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # set by LWS on every pod; 0: the leader
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # set by LWS: which replica a pod is of
+LEADER = {WORKER_INDEX_LABEL: "0"}
 
 Obj = dict[str, Any]
 
@@ -177,6 +184,8 @@ def agent_args(
         args.append("--no-prefix-caching")
     if role == "decode":
         args += ["--kv-port", str(KV_PORT)]
+    if pool.multi_node:  # the rendezvous host and this pod's index come from the LWS environment
+        args += ["--nodes", str(pool.nodes_per_replica), "--dist-port", str(DIST_PORT)]
     args += ["--drain-timeout", str(pool.drain.timeout_s)]
     return args
 
@@ -207,6 +216,7 @@ def agent_env(meta: Obj, role: str, cfg: Config, spec: Spec | None = None) -> li
 
 
 def _resources(pool: Pool) -> Obj:
+    """The pool's resources plus ``nvidia.com/gpu``: one per rank the pod runs (``gpus``, per pod)."""
     res = copy.deepcopy(pool.resources)
     if pool.gpus > 0:
         res.setdefault("limits", {})["nvidia.com/gpu"] = pool.gpus
@@ -239,9 +249,13 @@ def _drain_of(spec: Spec, role: str) -> Drain:
     return spec.router.drain if role == "router" else spec.pool(role).drain
 
 
-def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj) -> Obj:
+def _container(
+    meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj], resources: Obj, worker: bool = False
+) -> Obj:
     # /health answers 503 while the server drains: liveness tolerates the whole drain (preStop +
-    # --drain-timeout + the cut requests' grace) so that it never kills a draining pod
+    # --drain-timeout + the cut requests' grace) so that it never kills a draining pod. A worker
+    # pod of a multi-node replica serves only /health (200 while its ranks are in the group), so
+    # that is its readiness too.
     drain = _drain_of(spec, role)
     live_failures = max(6, -(-(drain.pre_stop_s + drain.timeout_s + 10) // 10) + 1)
     probe = {
@@ -249,7 +263,8 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
         "periodSeconds": 10,
         "failureThreshold": live_failures,
     }
-    ready = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
+    ready_path = "/health" if worker else "/ready"
+    ready = {"httpGet": {"path": ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3}
     startup_s = 300 if role == "router" else spec.pool(role).startup_s
     container: Obj = {
         "name": "agent",
@@ -274,6 +289,8 @@ def _container(meta: Obj, spec: Spec, role: str, cfg: Config, mounts: list[Obj],
     }
     if role == "decode":
         container["ports"].append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
+    if role in POOLS and spec.pool(role).multi_node:
+        container["ports"].append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     # Empty lists are left out, as the API server leaves them out: an empty list set here would
     # never be found on the live object, and every pass would patch it again.
     if mounts:
@@ -286,17 +303,10 @@ def autoscaled(spec: Spec, role: str) -> bool:
     return role != "router" and spec.pool(role).autoscaling is not None
 
 
-def deployment(
-    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None, slot: str = BLUE
+def _pod_template(
+    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None, slot: str, worker: bool = False
 ) -> Obj:
-    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router (a pool's green slot:
-    ``<md>-<pool>-green``, during a format change).
-
-    ``internal_uid`` is the uid of the live ``<md>-internal`` Secret: a new Secret rolls the pods.
-    Pool pods carry their format generation (``pagoda.dev/formats``), which the pool Services select.
-    An autoscaled pool's Deployment carries no ``replicas``: the autoscaler owns them (the
-    operator creates it at ``minReplicas`` and never reverts a scale).
-    """
+    """The pod template of a role (for a multi-node pool: of its leader, or of its workers)."""
     name = meta["name"]
     volumes, mounts = _volumes(spec, role)
     drain = _drain_of(spec, role)
@@ -309,17 +319,15 @@ def deployment(
         pod_spec["volumes"] = volumes
     annotations: Obj = {}
     if role == "router":
-        replicas: int | None = spec.router.replicas
-        rolling, overlay = spec.router.rolling_update, spec.router.pod_template
+        overlay = spec.router.pod_template
         pod_spec["containers"] = [
             _container(meta, spec, role, cfg, mounts, {"requests": {"cpu": "250m", "memory": "512Mi"}})
         ]
     else:
         pool = spec.pool(role)
-        replicas = None if pool.autoscaling is not None else pool.replicas
-        rolling, overlay = pool.rolling_update, pool.pod_template
+        overlay = pool.pod_template
         annotations[HANDOFF_ANNOTATION] = spec.handoff
-        pod_spec["containers"] = [_container(meta, spec, role, cfg, mounts, _resources(pool))]
+        pod_spec["containers"] = [_container(meta, spec, role, cfg, mounts, _resources(pool), worker)]
         if pool.node_selector:
             pod_spec["nodeSelector"] = dict(pool.node_selector)
         tolerations = list(pool.tolerations)
@@ -334,19 +342,61 @@ def deployment(
             pod_spec["affinity"] = affinity
     if internal_uid:
         annotations[INTERNAL_SECRET_ANNOTATION] = internal_uid
-    pod_labels = labels(name, role)
-    match = selector(name, role)
-    if role != "router":
-        pod_labels[FORMATS_LABEL] = formats_generation(spec)
-        if slot != BLUE:  # blue keeps the selector Deployments always had (it is immutable)
-            pod_labels[SLOT_LABEL] = slot
-            match[SLOT_LABEL] = slot
+    pod_labels = _pod_labels(name, spec, role, slot)
     template: Obj = {"metadata": {"labels": pod_labels}, "spec": pod_spec}
     if annotations:
         template["metadata"]["annotations"] = annotations
     if overlay:
         template = podspec.strategic_merge(template, overlay)
         template["metadata"]["labels"].update(pod_labels)  # the selector labels stay ours
+    return template
+
+
+def _pod_labels(name: str, spec: Spec, role: str, slot: str) -> dict[str, str]:
+    pod_labels = labels(name, role)
+    if role != "router":
+        pod_labels[FORMATS_LABEL] = formats_generation(spec)
+        if slot != BLUE:
+            pod_labels[SLOT_LABEL] = slot
+    return pod_labels
+
+
+def workload_kind(spec: Spec, role: str) -> str:
+    """The kind that runs a role: a LeaderWorkerSet for a multi-node pool, else a Deployment."""
+    return LWS_KIND if role in POOLS and spec.pool(role).multi_node else "Deployment"
+
+
+def workload(
+    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None, slot: str = BLUE
+) -> Obj:
+    """The Deployment or LeaderWorkerSet that runs a role (``workload_kind``)."""
+    if workload_kind(spec, role) == LWS_KIND:
+        return leader_worker_set(meta, spec, role, cfg, internal_uid, slot)
+    return deployment(meta, spec, role, cfg, internal_uid, slot)
+
+
+def deployment(
+    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None, slot: str = BLUE
+) -> Obj:
+    """Deployment ``<md>-<role>`` of node-agent pods for a pool or the router (a pool's green slot:
+    ``<md>-<pool>-green``, during a format change).
+
+    ``internal_uid`` is the uid of the live ``<md>-internal`` Secret: a new Secret rolls the pods.
+    Pool pods carry their format generation (``pagoda.dev/formats``), which the pool Services select.
+    An autoscaled pool's Deployment carries no ``replicas``: the autoscaler owns them (the
+    operator creates it at ``minReplicas`` and never reverts a scale).
+    """
+    name = meta["name"]
+    if role == "router":
+        replicas: int | None = spec.router.replicas
+        rolling = spec.router.rolling_update
+    else:
+        pool = spec.pool(role)
+        replicas = None if pool.autoscaling is not None else pool.replicas
+        rolling = pool.rolling_update
+    match = selector(name, role)
+    if role != "router" and slot != BLUE:  # blue keeps the selector Deployments always had (immutable)
+        match[SLOT_LABEL] = slot
     dep_spec: Obj = {
         "selector": {"matchLabels": match},
         "strategy": {
@@ -354,7 +404,7 @@ def deployment(
             "rollingUpdate": {"maxSurge": rolling.max_surge, "maxUnavailable": rolling.max_unavailable},
         },
         "progressDeadlineSeconds": spec.rollout.progress_deadline_s,
-        "template": template,
+        "template": _pod_template(meta, spec, role, cfg, internal_uid, slot),
     }
     if replicas is not None:
         dep_spec = {"replicas": replicas, **dep_spec}
@@ -367,12 +417,76 @@ def deployment(
     }
 
 
+def leader_worker_set(
+    meta: Obj, spec: Spec, role: str, cfg: Config, internal_uid: str | None = None, slot: str = BLUE
+) -> Obj:
+    """LeaderWorkerSet ``<md>-<pool>`` (or ``-green``) of a multi-node pool: ``replicas`` groups of
+    ``nodesPerReplica`` pods. The leader (worker index 0) runs rank 0, the scheduler and the API;
+    the workers run the other ranks and serve only ``/health``. Every pod gets the same command
+    line; LWS injects ``LWS_LEADER_ADDRESS`` and ``LWS_WORKER_INDEX``. A pod or container restart
+    recreates the whole group (``RecreateGroupOnPodRestart``), as a replica cannot lose a rank.
+    Like a Deployment, an autoscaled pool's LeaderWorkerSet carries no ``replicas``."""
+    pool = spec.pool(role)
+    rolling = pool.rolling_update
+    lws_spec: Obj = {
+        "leaderWorkerTemplate": {
+            "size": pool.nodes_per_replica,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": _pod_template(meta, spec, role, cfg, internal_uid, slot),
+            "workerTemplate": _pod_template(meta, spec, role, cfg, internal_uid, slot, worker=True),
+        },
+        "rolloutStrategy": {
+            "type": "RollingUpdate",
+            "rollingUpdateConfiguration": {
+                "maxSurge": rolling.max_surge,
+                "maxUnavailable": rolling.max_unavailable,
+            },
+        },
+    }
+    if pool.autoscaling is None:
+        lws_spec = {"replicas": pool.replicas, **lws_spec}
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": _metadata(meta, pool_deployment_name(meta["name"], role, slot), role),
+        "spec": lws_spec,
+    }
+
+
+def pod_templates(obj: Obj) -> list[Obj]:
+    """The pod templates of a live or desired workload (a Deployment's one; an LWS's leader's and
+    workers'), leader first."""
+    spec = obj.get("spec") or {}
+    if obj.get("kind") == LWS_KIND:
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        return [t for t in (lwt.get("leaderTemplate"), lwt.get("workerTemplate")) if isinstance(t, dict)]
+    return [spec["template"]] if isinstance(spec.get("template"), dict) else []
+
+
+def template_label_patch(kind: str, labels_: dict[str, str]) -> Obj:
+    """A merge patch adding labels to every pod template of a workload of ``kind``."""
+    tpl = {"metadata": {"labels": labels_}}
+    if kind == LWS_KIND:
+        return {"spec": {"leaderWorkerTemplate": {"leaderTemplate": tpl, "workerTemplate": tpl}}}
+    return {"spec": {"template": tpl}}
+
+
+def _service_selector(meta: Obj, spec: Spec, role: str, formats: str | None) -> dict[str, str]:
+    """A Service's pods: the role's, of the serving generation; of a multi-node pool, only leaders
+    (workers serve no API)."""
+    out = {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})}
+    if workload_kind(spec, role) == LWS_KIND:
+        out.update(LEADER)
+    return out
+
+
 def service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj:
     """Service ``<md>-<role>``; the router's type and port come from the spec. A pool's Services
-    select the serving format generation ``formats`` (none: every pod of the pool)."""
+    select the serving format generation ``formats`` (none: every pod of the pool) and, for a
+    multi-node pool, its leaders only."""
     svc_spec: Obj = {
         "type": "ClusterIP",
-        "selector": {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})},
+        "selector": _service_selector(meta, spec, role, formats),
         "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
     }
     if role == "router":
@@ -386,9 +500,10 @@ def service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj
     }
 
 
-def headless_service(meta: Obj, role: str, formats: str | None = None) -> Obj:
-    """Headless Service ``<md>-<pool>-pods``: DNS returns one A record per ready pod of the pool, so
-    the router sees (and routes, marks down, pins sessions to) each pod, not one Service IP."""
+def headless_service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj:
+    """Headless Service ``<md>-<pool>-pods``: DNS returns one A record per ready pod of the pool (per
+    ready leader of a multi-node pool), so the router sees (and routes, marks down, pins sessions
+    to) each replica, not one Service IP."""
     metadata = _metadata(meta, headless_name(meta["name"], role), role)
     metadata["labels"][HEADLESS_LABEL] = "true"
     return {
@@ -399,7 +514,7 @@ def headless_service(meta: Obj, role: str, formats: str | None = None) -> Obj:
             "clusterIP": "None",
             # publishNotReadyAddresses stays unset (false): only ready pods are in DNS. Set to its
             # default it would be dropped by the API server and patched again on every pass.
-            "selector": {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})},
+            "selector": _service_selector(meta, spec, role, formats),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -420,7 +535,9 @@ def scaling_children(meta: Obj, spec: Spec, cfg: Config, slots: dict[str, str] |
         if auto is not None:
             md = _metadata(meta, child_name(name, role), role)
             target = pool_deployment_name(name, role, (slots or {}).get(role, BLUE))
-            objs.append(scaling.autoscaler(md, target, auto, cfg))
+            kind = workload_kind(spec, role)
+            api = LWS_API_VERSION if kind == LWS_KIND else "apps/v1"
+            objs.append(scaling.autoscaler(md, target, auto, cfg, kind=kind, api_version=api))
     return objs
 
 
@@ -489,6 +606,11 @@ def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
         ],
         "prefill": [{"from": [_peer(name, "router")], "ports": [_tcp(PORT)]}],
     }
+    for role, ingress in rules.items():
+        if spec.pool(role).multi_node:
+            # The ranks of a replica: the rendezvous port, then NCCL/gloo connections on ports
+            # they pick themselves, so any port from the pool's own pods.
+            ingress.append({"from": [_peer(name, role)]})
     return [
         {
             "apiVersion": "networking.k8s.io/v1",
@@ -524,12 +646,12 @@ def build(
     generation = formats_generation(spec)
     objs = agent_rbac(meta) + network_policies(meta, spec)
     for role in ("decode", "prefill", "router"):
-        objs.append(deployment(meta, spec, role, cfg, internal_uid, slots.get(role, BLUE)))
+        objs.append(workload(meta, spec, role, cfg, internal_uid, slots.get(role, BLUE)))
         if role == "router":
             objs.append(service(meta, spec, role))
             continue
         formats = serving[role] if serving is not None and role in serving else generation
         objs.append(service(meta, spec, role, formats))
-        objs.append(headless_service(meta, role, formats))
+        objs.append(headless_service(meta, spec, role, formats))
     objs += scaling_children(meta, spec, cfg, scale_slots or slots)
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

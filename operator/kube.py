@@ -25,6 +25,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
 }
 
 
@@ -122,6 +123,13 @@ class Kube:
     async def apply(self, url: str, obj: Obj) -> Obj:
         """Server-side apply (``application/apply-patch+yaml``; JSON is YAML) at an absolute API path."""
         return await self._call("PATCH", url, obj, "application/apply-patch+yaml") or {}
+
+    async def served(self, kind: str) -> bool:
+        """Whether the API server serves a kind (API discovery of its group version): an optional
+        CRD such as LeaderWorkerSet may not be installed."""
+        prefix, plural = KINDS[kind]
+        found = await self._call("GET", prefix)
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         """Delete an object (only if its uid is still ``uid``, when given); False when it was gone."""

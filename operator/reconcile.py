@@ -20,7 +20,7 @@ from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Con
 from .config import Config
 from .kube import ApiError, Kube
 from .spec import POOLS, Spec, parse
-from .status import agent_entries, pool_figures, reports_of, split, window
+from .status import agent_entries, incomplete_groups, pool_figures, reports_of, split, window
 
 Obj = dict[str, Any]
 Emit = Callable[[str, str, str], None]  # (type, reason, message)
@@ -111,16 +111,48 @@ def _live_replicas(dep: Obj | None) -> int:
     return int(((dep or {}).get("spec") or {}).get("replicas", 0) or 0)
 
 
+WORKLOAD_KINDS = ("Deployment", children.LWS_KIND)
+LWS_MISSING = "LeaderWorkerSetMissing"
+
+
+async def _lws_served(kube: Kube) -> bool:
+    """Whether the cluster serves LeaderWorkerSets (its CRD may not be installed)."""
+    try:
+        return await kube.served(children.LWS_KIND)
+    except ApiError as err:
+        log.warning("cannot discover the LeaderWorkerSet API: %s", err.message)
+        return False
+
+
+async def _found(kube: Kube, ns: str, name: str, lws: bool) -> dict[str, Obj]:
+    """The pool workloads named ``name``, by kind (LeaderWorkerSets only when served)."""
+    out: dict[str, Obj] = {}
+    for kind in WORKLOAD_KINDS if lws else ("Deployment",):
+        live = await kube.get(kind, ns, name)
+        if live is not None:
+            out[kind] = live
+    return out
+
+
+def _pick(found: dict[str, Obj], kind: str) -> Obj | None:
+    """The workload of the wanted kind, else the one of the other kind (before a switch)."""
+    return found.get(kind) or next(iter(found.values()), None)
+
+
 async def _converge(
-    kube: Kube, meta: Obj, spec: Spec, cfg: Config, status: Obj, now: dt.datetime, out: Outcome
+    kube: Kube, meta: Obj, spec: Spec, cfg: Config, status: Obj, now: dt.datetime, out: Outcome, lws: bool
 ) -> dict[str, Obj | None]:
     """Apply the children; the pool pair goes by ``rollout.plan`` (blue/green on a format change).
-    Returns the Deployments that serve: per pool the one its Services select, and the router."""
+    A pool's workload is a Deployment, or a LeaderWorkerSet when multi-node; a switch of kind
+    replaces the old kind in the same slot once the new one exists. Returns the workloads that
+    serve: per pool the one its Services select, and the router's Deployment."""
     ns, name = meta["namespace"], meta["name"]
     internal_uid = await _credentials(kube, meta, spec, out)
     slots = (children.BLUE, children.GREEN)
     names = {(p, s): children.pool_deployment_name(name, p, s) for p in POOLS for s in slots}
-    deps = {key: await kube.get("Deployment", ns, n) for key, n in names.items()}
+    kinds = {p: children.workload_kind(spec, p) for p in POOLS}
+    found = {key: await _found(kube, ns, n, lws) for key, n in names.items()}
+    deps = {key: _pick(found[key], kinds[key[0]]) for key in names}
     services = {p: await kube.get("Service", ns, children.child_name(name, p)) for p in POOLS}
     shifted_at = parse_time((status.get("rollout") or {}).get("shiftedAt"))
     kv = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
@@ -131,13 +163,14 @@ async def _converge(
     placed = {p: s or children.BLUE for p, s in plan.slots.items()}
     desired = children.build(meta, spec, cfg, internal_uid, placed, plan.serving, plan.scale_slots)
     await _remove_unwanted(kube, meta, desired, cfg, out)
+    applied: set[str] = set()
     for key, obj in desired.items():
         role = obj["metadata"]["labels"][children.POOL_LABEL]
         try:
-            if obj["kind"] == "Deployment" and role in POOLS:
+            if obj["kind"] in WORKLOAD_KINDS and role in POOLS:
                 if plan.slots.get(role) is None:
                     continue  # PinServingPair: the serving pods are relabelled first
-                current = deps[(role, placed[role])]
+                current = found[(role, placed[role])].get(obj["kind"])
                 auto = spec.pool(role).autoscaling
                 if current is None and auto is not None:
                     # Created at the autoscaler's minimum, or as large as the pair it replaces.
@@ -146,29 +179,43 @@ async def _converge(
             else:
                 current = await kube.get(obj["kind"], ns, obj["metadata"]["name"])
             await _ensure(kube, key, obj, current, out)
+            applied.add(key)
         except ApiError as err:
             out.apply_errors.append(f"{key}: {err.message}")
             log.warning("cannot apply %s: %s", key, err.message, extra={"modeldeployment": f"{ns}/{name}"})
+    live_kind = {names[key]: dep["kind"] for key, dep in deps.items() if dep is not None}
     for dep_name, gen in plan.label.items():
+        kind = live_kind.get(dep_name, "Deployment")
         try:
-            patch = {"spec": {"template": {"metadata": {"labels": {children.FORMATS_LABEL: gen}}}}}
-            await kube.patch("Deployment", ns, dep_name, patch)
-            out.actions[f"Deployment/{dep_name}"] = "relabelled"
+            await kube.patch(
+                kind, ns, dep_name, children.template_label_patch(kind, {children.FORMATS_LABEL: gen})
+            )
+            out.actions[f"{kind}/{dep_name}"] = "relabelled"
         except ApiError as err:
-            out.apply_errors.append(f"Deployment/{dep_name}: {err.message}")
-    for dep_name in plan.delete:
+            out.apply_errors.append(f"{kind}/{dep_name}: {err.message}")
+    # The old pair's workloads (whatever their kind), and in the slot the pool runs in, a workload
+    # of the kind it no longer wants (nodesPerReplica crossed 1): the pool's Services already
+    # select what the new kind runs.
+    doomed = [(k, n) for n in plan.delete for k in WORKLOAD_KINDS if k in found[_key(names, n)]]
+    for pool, slot in plan.slots.items():
+        if slot is not None and f"{kinds[pool]}/{names[(pool, slot)]}" in applied:
+            doomed += [(k, names[(pool, slot)]) for k in found[(pool, slot)] if k != kinds[pool]]
+    for kind, dep_name in doomed:
         try:
-            live = await kube.get("Deployment", ns, dep_name)
-            if live is not None and await kube.delete(
-                "Deployment", ns, dep_name, live["metadata"].get("uid")
-            ):
-                out.actions[f"Deployment/{dep_name}"] = "deleted"
+            live = await kube.get(kind, ns, dep_name)
+            if live is not None and await kube.delete(kind, ns, dep_name, live["metadata"].get("uid")):
+                out.actions[f"{kind}/{dep_name}"] = "deleted"
         except ApiError as err:
-            out.apply_errors.append(f"Deployment/{dep_name}: {err.message}")
-    serving = {
-        p: await kube.get("Deployment", ns, names[(p, plan.scale_slots.get(p, children.BLUE))]) for p in POOLS
-    }
+            out.apply_errors.append(f"{kind}/{dep_name}: {err.message}")
+    serving = {}
+    for p in POOLS:
+        now_found = await _found(kube, ns, names[(p, plan.scale_slots.get(p, children.BLUE))], lws)
+        serving[p] = _pick(now_found, kinds[p])
     return {**serving, "router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
+
+
+def _key(names: dict[tuple[str, str], str], name: str) -> tuple[str, str]:
+    return next(key for key, n in names.items() if n == name)
 
 
 def desired_replicas(spec: Spec, role: str, dep: Obj | None) -> int:
@@ -190,22 +237,29 @@ def _conditions(
     rates: dict[str, float],
     stale: list[str],
     cfg: Config,
+    groups: dict[str, list[tuple[str, int]]] | None = None,
 ) -> list[Condition]:
     if out.problems:
         why = "; ".join(p.message for p in out.problems)
         reason = out.problems[0].reason
         return [
             Condition(READY, False, reason, f"spec cannot be served: {why}"),
-            Condition(PROGRESSING, False, "InvalidSpec", "nothing is rolled out until the spec is fixed"),
+            Condition(PROGRESSING, False, "InvalidSpec", "nothing is rolled out until the spec is fixed")
+            if reason != LWS_MISSING
+            else Condition(
+                PROGRESSING, False, "Blocked", "nothing is rolled out until LeaderWorkerSet is installed"
+            ),
             Condition(DEGRADED, True, reason, why),
             _integrity(spec, rates),
         ]
     desired = {role: desired_replicas(spec, role, deps[role]) for role in ("prefill", "decode", "router")}
+    groups = groups or {}
     short = [
-        f"{role} {_replicas(deps[role], 'readyReplicas')}/{want}"
+        f"{role} {_replicas(deps[role], 'readyReplicas')}/{want}" + _group_note(spec, role, groups.get(role))
         for role, want in desired.items()
         if _replicas(deps[role], "readyReplicas") < want
     ]
+    incomplete = any(groups.get(p) and _replicas(deps[p], "readyReplicas") < desired[p] for p in POOLS)
     rolling = [
         role
         for role in desired
@@ -228,7 +282,8 @@ def _conditions(
     elif desired["prefill"] == 0 and desired["decode"] == 0:
         ready = Condition(READY, False, "Paused", "both pools are scaled to zero")
     elif short:
-        ready = Condition(READY, False, "PoolsNotReady", "waiting for replicas: " + ", ".join(short))
+        reason = "GroupsIncomplete" if incomplete else "PoolsNotReady"
+        ready = Condition(READY, False, reason, "waiting for replicas: " + ", ".join(short))
     else:
         ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
     stalled = out.plan.stalled if out.plan is not None else None
@@ -258,6 +313,17 @@ def _conditions(
     else:
         degraded = Condition(DEGRADED, False, "AsExpected", "no stale agents, no unavailable replicas")
     return [ready, progressing, degraded, _integrity(spec, rates)]
+
+
+def _group_note(spec: Spec, role: str, groups: list[tuple[str, int]] | None) -> str:
+    """For a multi-node pool short of ready replicas: the groups whose pods are not all ready."""
+    if role not in POOLS or not spec.pool(role).multi_node:
+        return ""
+    size = spec.pool(role).nodes_per_replica
+    shown = [f"{g} {n}/{size}" for g, n in (groups or [])[:MAX_NAMES]]
+    more = len(groups or []) - len(shown)
+    detail = f"; pods ready in incomplete groups: {', '.join(shown)}" if shown else ""
+    return f" (groups of {size} pods{detail}{f' and {more} more' if more > 0 else ''})"
 
 
 def _rollout_status(spec: Spec, out: Outcome, status: Obj, now: dt.datetime) -> Obj:
@@ -295,7 +361,22 @@ def _integrity(spec: Spec, rates: dict[str, float]) -> Condition:
     )
 
 
-def _pool_status(role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: float) -> Obj:
+def _groups(spec: Spec, deps: dict[str, Obj | None], pods: list[Obj]) -> dict[str, list[tuple[str, int]]]:
+    """Per multi-node pool served by a LeaderWorkerSet: its groups with pods not all ready."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for p in POOLS:
+        dep, pool = deps.get(p), spec.pool(p)
+        if pool.multi_node and dep is not None and dep.get("kind") == children.LWS_KIND:
+            out[p] = incomplete_groups(pods, dep["metadata"]["name"], pool.nodes_per_replica)
+    return out
+
+
+def _pool_status(
+    role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: float, groups: list[tuple[str, int]] | None
+) -> Obj:
+    """``status.<pool>``. Replicas are whole replicas: for a multi-node pool, LeaderWorkerSet groups
+    (ready when every pod of the group is), with the group size and how many groups have pods
+    not all ready."""
     pool = spec.pool(role)
     ready = _replicas(dep, "readyReplicas")
     want = desired_replicas(spec, role, dep)
@@ -308,6 +389,9 @@ def _pool_status(role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: flo
         **figures,
         "mismatchRate": rate,
     }
+    if pool.multi_node:
+        out["nodesPerReplica"] = pool.nodes_per_replica
+        out["incompleteGroups"] = len(groups or [])
     if pool.autoscaling is not None:
         out["autoscaling"] = {
             "minReplicas": pool.autoscaling.min_replicas,
@@ -335,16 +419,29 @@ async def reconcile(
     status: Obj = dict(body.get("status") or {})
     spec = parse(body.get("spec") or {})
     out = Outcome(problems=formats.check(spec))
+    lws = await _lws_served(kube)
+    multi = [p for p in POOLS if spec.pool(p).multi_node]
+    if multi and not lws and not out.problems:
+        out.problems.append(
+            formats.Problem(
+                LWS_MISSING,
+                f"{' and '.join(multi)} run(s) one replica over several pods (nodesPerReplica > 1), which "
+                f"needs the LeaderWorkerSet API ({children.LWS_API_VERSION}); this cluster does not serve "
+                "it: install LeaderWorkerSet (https://github.com/kubernetes-sigs/lws) or set "
+                "nodesPerReplica: 1",
+            )
+        )
 
-    if out.problems:  # nothing is applied; the status shows the Deployments as they are
+    if out.problems:  # nothing is applied; the status shows the workloads as they are
         deps = {"router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
         for role in POOLS:
-            deps[role] = await kube.get("Deployment", ns, children.pool_deployment_name(name, role))
+            kind = children.workload_kind(spec, role)
+            deps[role] = _pick(await _found(kube, ns, children.pool_deployment_name(name, role), lws), kind)
             if deps[role] is None:
                 green = children.pool_deployment_name(name, role, children.GREEN)
-                deps[role] = await kube.get("Deployment", ns, green)
+                deps[role] = _pick(await _found(kube, ns, green, lws), kind)
     else:
-        deps = await _converge(kube, meta, spec, cfg, status, now, out)
+        deps = await _converge(kube, meta, spec, cfg, status, now, out, lws)
     for key, action in out.actions.items():
         emit("Normal", action.capitalize(), f"{key} {action}")
         log.info("child %s %s", key, action, extra={"modeldeployment": f"{ns}/{name}", "child": key})
@@ -373,13 +470,16 @@ async def reconcile(
     if windows is not None:
         windows[key] = snapshot
     pools = {p: pool_figures(p, agents.fresh, agents.stale) for p in POOLS}
-    conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg)
+    groups = _groups(spec, deps, pods)
+    conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg, groups)
     rendered = merge(status.get("conditions"), conds, now, meta.get("generation"))
 
     owned: Obj = {
         "conditions": rendered,
-        "prefill": _pool_status("prefill", spec, deps["prefill"], pools["prefill"], rates["prefill"]),
-        "decode": _pool_status("decode", spec, deps["decode"], pools["decode"], rates["decode"]),
+        **{
+            p: _pool_status(p, spec, deps[p], pools[p], rates[p], groups.get(p))
+            for p in ("prefill", "decode")
+        },
         "router": {
             "desiredReplicas": spec.router.replicas,
             "currentReplicas": _replicas(deps["router"], "replicas"),

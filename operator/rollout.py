@@ -28,15 +28,20 @@ from typing import Any
 
 from pagoda.vocabulary import handoff_allowed
 
-from .children import BLUE, FORMATS_LABEL, GREEN, generation_of
+from .children import BLUE, FORMATS_LABEL, GREEN, generation_of, pod_templates
 
 Obj = dict[str, Any]
 POOLS = ("prefill", "decode")
 FLAGS = ("--prefill-weights", "--prefill-kv", "--decode-weights", "--decode-kv")
 
 
+def _template(dep: Obj) -> Obj:
+    """The (leader's) pod template of a live pool Deployment or LeaderWorkerSet."""
+    return next(iter(pod_templates(dep)), {})
+
+
 def _args(dep: Obj) -> list[str]:
-    containers = (((dep.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
+    containers = (_template(dep).get("spec") or {}).get("containers") or [{}]
     return list(containers[0].get("args") or [])
 
 
@@ -47,12 +52,12 @@ def formats_of(dep: Obj) -> tuple[str, str, str, str]:
 
 
 def template_generation(dep: Obj) -> str | None:
-    labels = ((((dep.get("spec") or {}).get("template") or {}).get("metadata") or {}).get("labels")) or {}
+    labels = (_template(dep).get("metadata") or {}).get("labels") or {}
     return labels.get(FORMATS_LABEL)
 
 
 def gen_of(dep: Obj) -> str:
-    """A live pool Deployment's generation: its label, else computed from its formats."""
+    """A live pool workload's generation: its label, else computed from its formats."""
     return template_generation(dep) or generation_of(formats_of(dep))
 
 

@@ -31,7 +31,13 @@ def quantity(value: float) -> str:
     return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
 
 
-def hpa(metadata: Obj, deployment: str, auto: Autoscaling) -> Obj:
+def _target(name: str, kind: str, api_version: str) -> Obj:
+    return {"apiVersion": api_version, "kind": kind, "name": name}
+
+
+def hpa(
+    metadata: Obj, deployment: str, auto: Autoscaling, kind: str = "Deployment", api_version: str = "apps/v1"
+) -> Obj:
     """autoscaling/v2 HPA of one pool, one Pods metric per target (AverageValue per pod)."""
     metrics = [
         {
@@ -48,7 +54,7 @@ def hpa(metadata: Obj, deployment: str, auto: Autoscaling) -> Obj:
         "kind": "HorizontalPodAutoscaler",
         "metadata": metadata,
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "scaleTargetRef": _target(deployment, kind, api_version),
             "minReplicas": auto.min_replicas,
             "maxReplicas": auto.max_replicas,
             "metrics": metrics,
@@ -75,7 +81,14 @@ def _queries(namespace: str, service: str) -> dict[str, tuple[str, str]]:
     }
 
 
-def scaled_object(metadata: Obj, deployment: str, auto: Autoscaling, cfg: Config) -> Obj:
+def scaled_object(
+    metadata: Obj,
+    deployment: str,
+    auto: Autoscaling,
+    cfg: Config,
+    kind: str = "Deployment",
+    api_version: str = "apps/v1",
+) -> Obj:
     """KEDA ScaledObject of one pool: Prometheus triggers over the pool Service's scrape."""
     queries = _queries(metadata["namespace"], deployment)
     triggers = [
@@ -96,7 +109,7 @@ def scaled_object(metadata: Obj, deployment: str, auto: Autoscaling, cfg: Config
         "kind": "ScaledObject",
         "metadata": metadata,
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
+            "scaleTargetRef": _target(deployment, kind, api_version),
             "minReplicaCount": auto.min_replicas,
             "maxReplicaCount": auto.max_replicas,
             "advanced": {
@@ -109,11 +122,20 @@ def scaled_object(metadata: Obj, deployment: str, auto: Autoscaling, cfg: Config
     }
 
 
-def autoscaler(metadata: Obj, deployment: str, auto: Autoscaling, cfg: Config) -> Obj:
-    """The pool's HPA, or its ScaledObject when the operator runs with PAGODA_AUTOSCALER=keda."""
+def autoscaler(
+    metadata: Obj,
+    deployment: str,
+    auto: Autoscaling,
+    cfg: Config,
+    kind: str = "Deployment",
+    api_version: str = "apps/v1",
+) -> Obj:
+    """The pool's HPA, or its ScaledObject when the operator runs with PAGODA_AUTOSCALER=keda. The
+    target is the pool's Deployment, or its LeaderWorkerSet (whose scale subresource counts groups
+    and selects the leaders, so per-pod targets are per replica)."""
     if cfg.autoscaler == "keda":
-        return scaled_object(metadata, deployment, auto, cfg)
-    return hpa(metadata, deployment, auto)
+        return scaled_object(metadata, deployment, auto, cfg, kind, api_version)
+    return hpa(metadata, deployment, auto, kind, api_version)
 
 
 def disruption_budget(metadata: Obj, selector: dict[str, str], budget: DisruptionBudget) -> Obj:

@@ -18,6 +18,10 @@ from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, format_time, fro
 from .spec import POOLS
 
 POOL_LABEL = "pagoda.dev/pool"  # as children.POOL_LABEL
+# Set by the LeaderWorkerSet controller on the pods of a multi-node pool (as in children).
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+SET_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 
 Obj = dict[str, Any]
 Reports = Mapping[str, AgentReport]
@@ -42,8 +46,8 @@ def reports_of(
     for pod in pods:
         meta = pod.get("metadata") or {}
         name = meta.get("name")
-        if not isinstance(name, str):
-            continue
+        if not isinstance(name, str) or _worker(meta):
+            continue  # a multi-node replica reports through its leader only
         report = from_annotation((meta.get("annotations") or {}).get(REPORT_ANNOTATION))
         if report is None and now is not None and stale_after_s is not None:
             pool = (meta.get("labels") or {}).get(POOL_LABEL)
@@ -53,6 +57,29 @@ def reports_of(
         if report is not None:
             out[name] = report
     return out
+
+
+def _worker(meta: Obj) -> bool:
+    """A worker pod of a multi-node replica (LWS worker index above 0): it serves no API."""
+    return (meta.get("labels") or {}).get(WORKER_INDEX_LABEL, "0") != "0"
+
+
+def _pod_ready(pod: Obj) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def incomplete_groups(pods: list[Obj], set_name: str, size: int) -> list[tuple[str, int]]:
+    """The groups of LeaderWorkerSet ``set_name`` that have pods but fewer than ``size`` ready, as
+    (group name, ready pods), by group index. A group is named after its leader pod (``set-N``)."""
+    ready: dict[int, int] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        index = labels.get(GROUP_INDEX_LABEL)
+        if labels.get(SET_NAME_LABEL) != set_name or not str(index).isdigit():
+            continue
+        ready[int(index)] = ready.get(int(index), 0) + int(_pod_ready(pod))
+    return [(f"{set_name}-{i}", n) for i, n in sorted(ready.items()) if n < size]
 
 
 def split(reports: Mapping[str, AgentReport], now: dt.datetime, stale_after_s: float) -> Agents:

@@ -33,6 +33,7 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], Obj] = {}
         self.refuse: dict[tuple[str, str], tuple[int, Obj]] = {}
         self.writes: list[tuple[str, str, str]] = []
+        self.unserved: set[str] = set()  # kinds whose API is not installed (discovery says no)
         self._uid = 0
 
     def _check(self, kind: str, verb: str) -> None:
@@ -48,6 +49,9 @@ class FakeKube:
         meta = obj["metadata"]
         self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
         return obj
+
+    async def served(self, kind: str) -> bool:
+        return kind not in self.unserved
 
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         self._check(kind, "get")

@@ -40,6 +40,12 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "networking.k8s.io/v1/networkpolicies": {"kind": "NetworkPolicy", "namespaced": True},
     "policy/v1/poddisruptionbudgets": {"kind": "PodDisruptionBudget", "namespaced": True},
     "autoscaling/v2/horizontalpodautoscalers": {"kind": "HorizontalPodAutoscaler", "namespaced": True},
+    # The LeaderWorkerSet CRD (kubernetes-sigs/lws); a test removes it to play a cluster without it.
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": {
+        "kind": "LeaderWorkerSet",
+        "namespaced": True,
+        "subresources": {"status", "scale"},
+    },
     "pagoda.dev/v1alpha1/modeldeployments": {
         "kind": "ModelDeployment",
         "singular": "modeldeployment",
@@ -218,3 +224,4 @@ POD_PATH = "/api/v1/namespaces/{ns}/pods"
 EVENT_PATH = "/api/v1/namespaces/{ns}/events"
 PDB_PATH = "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets"
 HPA_PATH = "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers"
+LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets"

@@ -7,6 +7,7 @@ from op_schema import admit, example
 
 from pagoda.node_agent.cli.main import build_parser
 from pagoda.operator import children
+from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
 
 
@@ -38,3 +39,24 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
         assert ns.integrity == s.integrity.mode
         assert (ns.decode_weights, ns.decode_kv) == (s.decode.weight_format, s.decode.kv_cache_format)
         assert (ns.prefill_weights, ns.prefill_kv) == (s.prefill.weight_format, s.prefill.kv_cache_format)
+
+
+def _serve_options() -> set[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._subparsers._group_actions if a.choices)  # noqa: SLF001
+    return set(sub.choices["serve"]._option_string_actions)  # noqa: SLF001
+
+
+@pytest.mark.parametrize("worker", [False, True])
+def test_multi_node_args_parse_as_pagoda_serve(worker: bool) -> None:
+    """A LeaderWorkerSet pool's leader and workers run the same command: TP over all hosts."""
+    if not {"--nodes", "--dist-port"} <= _serve_options():
+        pytest.skip("this checkout's `pagoda serve` has no --nodes/--dist-port yet (engine side of issue 11)")
+    s = parse(admit(example("m", decode={"tensorParallel": 4, "nodesPerReplica": 2}))["spec"])
+    lws = children.build({"name": "m", "namespace": "ns", "uid": "u"}, s, Config())[
+        "LeaderWorkerSet/m-decode"
+    ]
+    key = "workerTemplate" if worker else "leaderTemplate"
+    args = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"][0]["args"]
+    ns = build_parser().parse_args(args)
+    assert (ns.tensor_parallel, ns.nodes, ns.dist_port) == (4, 2, children.DIST_PORT)

@@ -165,9 +165,11 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert sorted(key for key, v in verbs.items() if "delete" in v) == [
         ("apps", "deployments"),  # the old pair of a format change
         ("autoscaling", "horizontalpodautoscalers"),
+        ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # a pool back to one node, or the old pair
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),
     ]
+    assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == {"get", "create", "patch", "delete"}
     assert verbs[("", "pods")] == {"list", "patch"} and verbs[("", "events")] == {"create"}
     assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}

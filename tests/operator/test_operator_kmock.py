@@ -18,6 +18,7 @@ from op_cluster import (
     DEP_PATH,
     EVENT_PATH,
     HPA_PATH,
+    LWS_PATH,
     MD_PATH,
     NETPOL_PATH,
     PDB_PATH,
@@ -773,14 +774,23 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
     set_ready_named(cluster, "smollm-prefill-green", 1)
     set_ready_named(cluster, "smollm-decode-green", 2)
     cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="the old pair removed", timeout=30)
+    update_spec(cluster, {"decode": {"tensorParallel": 2, "nodesPerReplica": 2}})  # a LeaderWorkerSet
+    lws = f"{LWS_PATH.format(ns=NS)}/smollm-decode-green"
+    cluster.wait_for(lambda: cluster.get(lws), what="LeaderWorkerSet")
+    cluster.patch(lws, {"metadata": {"labels": {"app.kubernetes.io/managed-by": "someone"}}})
+    cluster.wait_for(
+        lambda: cluster.get(lws)["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator",
+        what="LeaderWorkerSet repaired",
+    )
     update_spec(
         cluster,
         {
             "networkPolicy": {"enabled": False},
             "router": {"disruptionBudget": {"enabled": False}},
-            "decode": {"autoscaling": None},
+            "decode": {"autoscaling": None, "tensorParallel": 1, "nodesPerReplica": 1},
         },
     )
+    cluster.wait_for(lambda: cluster.get(lws) is None, what="back to a Deployment")
     cluster.wait_for(lambda: cluster.get(f"{NETPOLS}/smollm-decode") is None, what="policies deleted")
     cluster.wait_for(
         lambda: cluster.get(f"{PDB_PATH.format(ns=NS)}/smollm-router") is None, what="PDB deleted"

@@ -252,6 +252,7 @@ def test_watch_namespaces_renders_roles_not_a_cluster_role() -> None:
     assert {r for rule in role["rules"] for r in rule["resources"]} >= {
         "modeldeployments",
         "deployments",
+        "leaderworkersets",
         "pods",
     }
     assert "namespaces" not in str(role["rules"])

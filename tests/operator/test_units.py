@@ -9,7 +9,7 @@ import pytest
 from pagoda.agent_report import AgentReport
 from pagoda.operator import apply, formats
 from pagoda.operator.spec import parse
-from pagoda.operator.status import pool_figures, window
+from pagoda.operator.status import incomplete_groups, pool_figures, reports_of, window
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -130,3 +130,31 @@ def test_removals_null_out_fields_no_longer_set() -> None:
     old = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "keep": 1}}
     new = {"spec": {"nodeSelector": {"a": "1"}, "keep": 1}}
     assert apply.removals(old, new) == {"spec": {"nodeSelector": {"a": "1", "b": None}, "keep": 1}}
+
+
+def lws_pod(group: int, worker: int, ready: bool, created: str | None = None) -> dict:
+    labels = {
+        "pagoda.dev/pool": "decode",
+        "leaderworkerset.sigs.k8s.io/name": "m-decode",
+        "leaderworkerset.sigs.k8s.io/group-index": str(group),
+        "leaderworkerset.sigs.k8s.io/worker-index": str(worker),
+    }
+    meta = {"name": f"m-decode-{group}" + (f"-{worker}" if worker else ""), "labels": labels}
+    if created:
+        meta["creationTimestamp"] = created
+    return {"metadata": meta, "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_incomplete_groups_are_those_with_pods_not_all_ready() -> None:
+    pods = [lws_pod(0, 0, True), lws_pod(0, 1, True), lws_pod(1, 0, True), lws_pod(2, 1, False)]
+    pods.append(
+        {**lws_pod(3, 0, False), "metadata": {"name": "other", "labels": {"pagoda.dev/pool": "decode"}}}
+    )
+    assert incomplete_groups(pods, "m-decode", 2) == [("m-decode-1", 1), ("m-decode-2", 0)]
+    assert incomplete_groups(pods, "m-decode-green", 2) == []  # another set's pods do not count
+
+
+def test_worker_pods_are_not_agents_their_leader_reports() -> None:
+    """A worker serves no API and writes no report: an old one is not a stale agent."""
+    pods = [lws_pod(0, 0, True, stamp(600)), lws_pod(0, 1, True, stamp(600))]
+    assert list(reports_of(pods, NOW, 60)) == ["m-decode-0"]  # the leader, stale without a report
