@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
@@ -15,6 +17,8 @@ from pagoda.vocabulary import SERVE_ROLES
 log = logging.getLogger("pagoda.serve")
 
 DEFAULT_PORT = 8000
+EXIT_REPLICA_FAILED = 3  # a tensor-parallel rank died or hung: the replica exits with this code
+FATAL_FLUSH_S = 0.5  # error responses reach their clients before the process exits
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -221,6 +225,7 @@ def build_app(a: argparse.Namespace, engine=None):
     holder: dict = {}
     metrics = ServeMetrics(pool_label(a.role), snapshot=lambda: holder["engine"].snapshot())
     aeng = AsyncEngine(engine, metrics, max_queue=a.max_queue, model_name=a.model)
+    aeng.on_fatal = exit_on_fatal(engine)
     holder["engine"] = aeng
     settings = ApiSettings(served_names(a), tenancy, metrics, a.max_body_bytes, **public)
     settings.on_startup.append(_async(aeng.start))
@@ -270,12 +275,76 @@ def _add_reporter(a: argparse.Namespace, settings, aeng) -> None:
     settings.on_shutdown.append(reporter.stop)
 
 
+def exit_on_fatal(engine) -> Callable[[str], None]:
+    """What a server does when its replica fails: say why, stop its ranks, exit EXIT_REPLICA_FAILED."""
+
+    def fatal(reason: str) -> None:
+        print(f"pagoda serve: {reason}; exiting", file=sys.stderr, flush=True)
+
+        def leave() -> None:
+            time.sleep(FATAL_FLUSH_S)
+            if engine.group is not None:
+                engine.group.terminate_children(grace_s=0.5)
+            os._exit(EXIT_REPLICA_FAILED)
+
+        threading.Thread(target=leave, name="pagoda-fatal", daemon=True).start()
+
+    return fatal
+
+
+def is_follower(a: argparse.Namespace) -> bool:
+    """Whether this process is a tensor-parallel rank other than 0 (a worker host's first rank)."""
+    if a.role == "router" or a.tensor_parallel <= 1:
+        return False
+    from pagoda.node_agent.engine.parallel_group import rendezvous
+
+    return rendezvous(engine_config_from_args(a).parallel).rank != 0
+
+
+def serve_follower(a: argparse.Namespace) -> int:
+    """A worker host of a multi-host replica: its ranks follow rank 0; ``GET /health`` on the http
+    port answers 200 while they do (503 before joining). Exits with the ranks' outcome."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from pagoda.node_agent.engine.llm_engine import LLMEngine
+
+    state = {"joined": False}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            ok = self.path.split("?")[0] == "/health" and state["joined"]
+            code = 200 if ok else 503 if self.path.split("?")[0] == "/health" else 404
+            body = b'{"status": "ok"}' if ok else b'{"status": "not ready"}'
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer((a.host, a.port), Health)
+    threading.Thread(target=httpd.serve_forever, name="pagoda-health", daemon=True).start()
+    cfg = engine_config_from_args(a)
+    cfg.role = a.role
+    engine = LLMEngine(cfg)
+    state["joined"] = True
+    print(f"pagoda serve: tensor-parallel rank {engine.group.rank} following rank 0", flush=True)
+    code = engine.follow()
+    state["joined"] = False
+    httpd.shutdown()
+    return code
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain (node_agent/serving/drain.py) and return 0."""
     from pagoda.node_agent.serving.drain import serve
 
     if a.disaggregated:
         return run_disaggregated(a)
+    if is_follower(a):
+        return serve_follower(a)
     app = build_app(a)
     print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
     return serve(app, app.state.drain, a.host, a.port, a.log_level)

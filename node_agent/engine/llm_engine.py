@@ -201,7 +201,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Tell the other ranks to stop and leave the group (idempotent)."""
-        if self.tp is not None:
+        if self.tp is not None and self.group is not None:
             self.tp.stop()
         if self.group is not None:
             self.group.close()

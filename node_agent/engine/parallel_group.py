@@ -24,6 +24,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
@@ -221,6 +222,7 @@ def run_worker_rank(config: EngineConfig, rank: int, world: int, addr: str, port
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
+from pagoda.node_agent.engine.parallel_group import ReplicaFailure
 from pagoda.node_agent.engine.prompts import Prompt
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics
@@ -140,6 +141,9 @@ class AsyncEngine:
         self._snap_at = 0.0
         self.generated_tokens = 0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        # called (on the engine thread) once the replica cannot serve any more: a tensor-parallel
+        # rank died or hung; the server exits non-zero (cli/serve.py)
+        self.on_fatal: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -251,7 +255,11 @@ class AsyncEngine:
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
                     self._step()
+                else:
+                    self.engine.tick()  # idle: a keepalive over a tensor-parallel replica's ranks
                 self._maybe_snapshot()
+        except ReplicaFailure as exc:
+            self._fatal(exc)
         except BaseException as exc:  # pragma: no cover - a bug in the loop itself
             log.exception("engine loop died")
             self._dead = f"engine loop died: {exc}"
@@ -286,6 +294,10 @@ class AsyncEngine:
             return
         try:
             cmd.add(self.engine)
+        except ReplicaFailure:
+            self._release(len(cmd.lives))
+            cmd.done.set_exception(EngineDead("the replica failed"))
+            raise
         except Exception as exc:
             self._release(len(cmd.lives))
             if self.metrics:
@@ -300,6 +312,8 @@ class AsyncEngine:
         steps = self.engine.stats.steps
         try:
             outs = self.engine.step()
+        except ReplicaFailure:
+            raise  # _run ends the loop: nothing can run any more
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
             for rid in list(self._live):
@@ -357,6 +371,17 @@ class AsyncEngine:
     def _release(self, n: int = 1) -> None:
         with self._lock:
             self._inflight -= n
+
+    def _fatal(self, exc: ReplicaFailure) -> None:
+        """The replica lost a rank: every request in flight or queued ends with the reason, the
+        server turns not ready, and ``on_fatal`` decides what the process does."""
+        self._dead = f"tensor-parallel replica failed: {exc}"
+        log.error("%s; failing every request and stopping", self._dead)
+        self._fail_all(self._dead)
+        self._stop.set()
+        self._take_snapshot()
+        if self.on_fatal is not None:
+            self.on_fatal(self._dead)
 
     def _deliver(self, live: _Live, item: RequestOutput | BaseException) -> None:
         try:
