@@ -128,3 +128,34 @@ def test_without_the_leader_worker_set_crd_the_pool_is_degraded_until_it_is_inst
         lambda: condition(cluster.get(MD), "Degraded")["reason"] != "LeaderWorkerSetMissing",
         what="condition cleared",
     )
+
+
+def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) -> None:
+    """The new LeaderWorkerSet starts beside the serving one, which is deleted once traffic moved."""
+    create_md(cluster, example(prefill={"gpus": 0}, decode=MULTI))
+    blue = cluster.wait_for(lambda: lws(cluster), what="LeaderWorkerSet")
+    cluster.patch(
+        f"{LWSS}/smollm-decode/status", {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}}
+    )
+    set_ready(cluster, "prefill", 1)
+    set_ready(cluster, "router", 1)
+    cluster.wait_for(lambda: condition(cluster.get(MD), "Ready")["status"] == "True", what="Ready")
+
+    update_spec(cluster, {"prefill": {"kvCacheFormat": "fp8_e4m3"}})
+    green = cluster.wait_for(lambda: lws(cluster, "smollm-decode-green"), what="green LeaderWorkerSet")
+    leader = green["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    assert leader["metadata"]["labels"]["pagoda.dev/slot"] == "green"
+    assert lws(cluster)["metadata"]["uid"] == blue["metadata"]["uid"]  # the serving group stays
+    old = selector(cluster, "smollm-decode-pods")["pagoda.dev/formats"]
+
+    cluster.patch(
+        f"{LWSS}/smollm-decode-green/status",
+        {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}},
+    )
+    cluster.patch(
+        f"{DEPS}/smollm-prefill-green/status",
+        {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}},
+    )
+    cluster.wait_for(lambda: lws(cluster) is None, what="the old LeaderWorkerSet removed", timeout=30)
+    moved = selector(cluster, "smollm-decode-pods")
+    assert moved["pagoda.dev/formats"] != old and moved[WORKER_INDEX] == "0"

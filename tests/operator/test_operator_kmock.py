@@ -733,7 +733,7 @@ def chart_rules() -> set[tuple[str, str, str]]:
     }
 
 
-@pytest.mark.slow  # about 20 s: every path of the operator, a format change included
+@pytest.mark.slow  # about 25 s: every path of the operator, a format change and a LeaderWorkerSet included
 def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> None:
     """Every path of the operator runs against kmock; each request it made must be allowed by the
     chart's ClusterRole, and each verb the ClusterRole grants must have been used (or be listed)."""
