@@ -45,6 +45,7 @@ def add_group_pod(cluster: Cluster, group: int, worker: int, ready: bool) -> Non
 def test_a_multi_node_pool_is_a_leader_worker_set_and_counts_ready_groups(cluster: Cluster) -> None:
     create_md(cluster, example(prefill={"gpus": 0}, decode={**MULTI, "replicas": 2}))
     group = cluster.wait_for(lambda: lws(cluster), what="LeaderWorkerSet")
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="router")  # applied last
     assert cluster.get(f"{DEPS}/smollm-decode") is None
     assert group["spec"]["replicas"] == 2
     template = group["spec"]["leaderWorkerTemplate"]
@@ -134,6 +135,7 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
     """The new LeaderWorkerSet starts beside the serving one, which is deleted once traffic moved."""
     create_md(cluster, example(prefill={"gpus": 0}, decode=MULTI))
     blue = cluster.wait_for(lambda: lws(cluster), what="LeaderWorkerSet")
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="router")  # applied last
     cluster.patch(
         f"{LWSS}/smollm-decode/status", {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}}
     )
@@ -143,6 +145,7 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
 
     update_spec(cluster, {"prefill": {"kvCacheFormat": "fp8_e4m3"}})
     green = cluster.wait_for(lambda: lws(cluster, "smollm-decode-green"), what="green LeaderWorkerSet")
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
     leader = green["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
     assert leader["metadata"]["labels"]["pagoda.dev/slot"] == "green"
     assert lws(cluster)["metadata"]["uid"] == blue["metadata"]["uid"]  # the serving group stays
