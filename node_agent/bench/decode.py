@@ -15,6 +15,7 @@ What is timed, per engine:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ LLAMACPP_INSTALL = (
     "pip install 'pagoda[llamacpp]' (or: pip install llama-cpp-python); "
     "it builds llama.cpp from source, about 8 minutes on 2 cores"
 )
-BASELINES = ("transformers", LLAMACPP)
+TP1 = "pagoda-tp1"  # the same engine on one rank: the baseline of --tensor-parallel > 1
+BASELINES = ("transformers", LLAMACPP, TP1)
 # the issue's done-when: (name, pagoda concurrency, baseline, baseline concurrency, target)
 TARGETS = (
     ("pagoda_c1_vs_llamacpp_single_stream", 1, LLAMACPP, 1, 0.5),
@@ -47,6 +49,14 @@ TARGETS = (
     ("pagoda_c16_vs_llamacpp_single_stream", 16, LLAMACPP, 1, 2.0),
 )
 FIGURES = ("decode_tok_s", "ttft_s")
+
+
+def with_threads(n: int, fn, *args):
+    """``fn(*args)`` with torch using ``n`` CPU threads on this process."""
+    import torch
+
+    torch.set_num_threads(n)
+    return fn(*args)
 
 
 def run_pagoda_decode(engine, prompts: list, max_tokens: int) -> dict:
@@ -203,11 +213,23 @@ def bench_decode(
         raise ValueError(f"unknown baseline(s) {unknown}; use {', '.join(BASELINES)}")
     if max_tokens < 2:
         raise ValueError("max_tokens must be at least 2 (decode is timed after the first token)")
+    tp = cfg.parallel.tensor_parallel
+    if TP1 in baselines and tp == 1:
+        raise ValueError(f"the {TP1} baseline compares against --tensor-parallel > 1")
     set_threads(threads)
     nthreads = torch.get_num_threads()
-    engine = engine_factory(cfg)()
+    make = engine_factory(cfg)
+    engine = make()
+    # every configuration gets the whole machine: a rank of a host shares its threads with the others
+    rank_threads = max(1, nthreads // (tp // cfg.parallel.nodes))
+    torch.set_num_threads(nthreads)
     variants: list[Variant] = []
     rows: list[dict] = []
+    tp1 = (
+        make(parallel=dataclasses.replace(cfg.parallel, tensor_parallel=1, nodes=1))
+        if TP1 in baselines
+        else None
+    )
     if LLAMACPP in baselines:
         why = llamacpp_unavailable(cfg.model)
         if why:
@@ -229,10 +251,20 @@ def bench_decode(
         variants.append(
             Variant(
                 f"pagoda c{c}",
-                lambda r, c=c, p=prompts: run_pagoda_decode(engine, p(r), max_tokens),
-                warm=lambda p=prompts: run_pagoda_decode(engine, p(-1), 2),
+                lambda r, c=c, p=prompts: with_threads(
+                    rank_threads, run_pagoda_decode, engine, p(r), max_tokens
+                ),
+                warm=lambda p=prompts: with_threads(rank_threads, run_pagoda_decode, engine, p(-1), 2),
             )
         )
+        if tp1 is not None:
+            variants.append(
+                Variant(
+                    f"{TP1} c{c}",
+                    lambda r, p=prompts: with_threads(nthreads, run_pagoda_decode, tp1, p(r), max_tokens),
+                    warm=lambda p=prompts: with_threads(nthreads, run_pagoda_decode, tp1, p(-1), 2),
+                )
+            )
         if hf_model is not None:
             variants.append(
                 Variant(
@@ -242,11 +274,14 @@ def bench_decode(
                 )
             )
     log(f"{len(variants)} variants, {repeats} repeat(s) each, {nthreads} threads")
-    runs = run_interleaved(variants, repeats, log)
+    try:
+        runs = run_interleaved(variants, repeats, log)
+    finally:
+        engine.close()  # a tensor-parallel replica's other ranks stop here
     for v in variants:
         name, c = v.name.rsplit(" c", 1)
         extra = {"single_stream": True} if name == LLAMACPP else {}
-        if name == "pagoda":
+        if name in ("pagoda", TP1):
             extra["window_steps"] = min(x["window_steps"] for x in runs[v.name])
         rows.append(_row(name, int(c), runs[v.name], **extra))
     log(f"{'engine':<14}{'conc':>6}{'decode tok/s':>14}{'min-max':>18}{'TTFT s':>10}")
@@ -257,8 +292,14 @@ def bench_decode(
                 f"{r['engine']:<14}{r['concurrency']:>6}{r['decode_tok_s']:>14.1f}{mm:>18}{r['ttft_s']:>10.3f}"
             )
     ratios: dict[str, dict] = {"pagoda_vs_transformers": {}, "pagoda_vs_llamacpp_single_stream": {}}
+    if tp1 is not None:
+        ratios["pagoda_vs_pagoda_tp1"] = {}
     for c in concurrency:
         p = [x["decode_tok_s"] for x in runs[f"pagoda c{c}"]]
+        if tp1 is not None:
+            ratios["pagoda_vs_pagoda_tp1"][f"c{c}"] = paired_ratio(
+                p, [x["decode_tok_s"] for x in runs[f"{TP1} c{c}"]]
+            )
         if f"transformers c{c}" in runs:
             h = [x["decode_tok_s"] for x in runs[f"transformers c{c}"]]
             ratios["pagoda_vs_transformers"][f"c{c}"] = paired_ratio(p, h)
@@ -277,6 +318,8 @@ def bench_decode(
         "model": cfg.model,
         "dtype": str(engine.dtype),
         "formats": cfg.formats.as_dict(),
+        "tensor_parallel": tp,
+        "threads_per_rank": rank_threads,
         "max_tokens": max_tokens,
         "repeats": repeats,
         "method": "warm-up per variant, then repeats interleaved across every engine and concurrency; "

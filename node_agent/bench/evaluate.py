@@ -171,6 +171,7 @@ def run_eval(
     ref_logits = ref.score(ids, phase="decode")
     ref_greedy = greedy_tokens(ref, prompts, max_new_tokens)
     ref_ppl = perplexity(ref_logits, ids)
+    ref.close()  # a tensor-parallel replica's ranks stop before the next one starts
     del ref
     log(f"reference (float32 weights + KV): ppl {ref_ppl:.3f} on {len(ids)} tokens")
 
@@ -184,6 +185,7 @@ def run_eval(
                 kv_bytes_per_token(eng),
             )
         finally:
+            eng.close()
             del eng
             gc.collect()
 

@@ -50,6 +50,15 @@ FILLER = (
 )
 
 
+def refuse_parallel(cfg: EngineConfig) -> None:
+    """These benches hold several engines at once; a process holds one tensor-parallel replica."""
+    if cfg.parallel.tensor_parallel > 1:
+        raise ValueError(
+            "this bench compares several engines in one process, and a process holds one "
+            "tensor-parallel replica: run it with --tensor-parallel 1 (bench decode takes it)"
+        )
+
+
 def kv_capacity(cfg, budget: int, page_size: int, kv_format: str, granularity: str = "per-token-k") -> dict:
     """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales, static or per token by
     ``granularity``, included), with bf16 as a true 2-byte type whatever the compute dtype.
@@ -165,6 +174,7 @@ def bench_kv(
     ``pages_per_seq`` defaults to filling 85% of the fp8 pool at the top concurrency; ``repeats``
     timed runs per (format, concurrency), interleaved."""
     set_threads(threads)
+    refuse_parallel(cfg)
     make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
     budget = cfg.kv_memory or DEFAULT_KV_BUDGET
     probe = make(formats=PhaseFormats.reference(), kv_memory=1 << 20)
@@ -328,6 +338,7 @@ def bench_weights(
     result. The dense engine computes in true bfloat16 (2-byte weights, as on a GPU), fp8 and int4
     in the configured dtype (each row names its dtype); ``repeats`` timed runs per point, interleaved."""
     set_threads(threads)
+    refuse_parallel(cfg)
     make = engine_factory(dataclasses.replace(cfg, enable_prefix_caching=False))
     kv_mem = cfg.kv_memory or 256 << 20
     seats = max(max(concurrency), prefill_prompts)

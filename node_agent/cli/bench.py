@@ -73,8 +73,11 @@ def command_line(a: argparse.Namespace) -> str:
 def cmd_bench_decode(a: argparse.Namespace) -> int:
     from pagoda.node_agent.bench.decode import bench_decode, plot_decode
 
-    baselines = () if a.no_baseline else tuple(a.baselines)
     cfg = engine_config_from_args(a)
+    chosen = a.baselines
+    if chosen is None:  # with --tensor-parallel > 1: the same engine on one rank
+        chosen = ["pagoda-tp1"] if cfg.parallel.tensor_parallel > 1 else ["transformers", "llama.cpp"]
+    baselines = () if a.no_baseline else tuple(chosen)
     result = bench_decode(cfg, a.concurrency, a.max_tokens, baselines, a.repeats, a.threads)
     write_result(a.json, result, lambda p: plot_decode(p, result), command_line(a))
     return 0
@@ -156,8 +159,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--baselines",
         type=parse_name_list,
-        default=["transformers", "llama.cpp"],
-        help="transformers,llama.cpp",
+        default=None,
+        help="transformers,llama.cpp,pagoda-tp1 (default: transformers,llama.cpp; with "
+        "--tensor-parallel > 1: pagoda-tp1, the same engine on one rank)",
     )
     d.add_argument("--no-baseline", action="store_true", help="no baselines (Pagoda alone)")
     add_method_args(d, threads_default=0)

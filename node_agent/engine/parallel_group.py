@@ -107,6 +107,11 @@ class ParallelGroup:
 
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel
+        if dist.is_initialized():
+            raise RuntimeError(
+                "this process already belongs to a tensor-parallel replica; close that engine first "
+                "(one replica per process)"
+            )
         self.timeout_s = pc.dist_timeout
         rv = rendezvous(pc)
         self.rank, self.world = rv.rank, rv.world
