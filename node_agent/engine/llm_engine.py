@@ -88,6 +88,8 @@ class LLMEngine:
             check_weights_fit(est, self.device)
         self.model = build_model(config, loaded, self.dtype, self.device, self.group)
         del loaded
+        if self.group is not None:  # ranks load at their own pace; the first collective waits for all
+            self.group.wait_for_all("the model was loaded on every rank")
         self.max_model_len = context_limit(config, self.model_config)
         self.runner = ModelRunner(self.model, config.kernel_backend)
         local = self.model.cfg  # this rank's heads

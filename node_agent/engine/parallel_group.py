@@ -10,10 +10,11 @@ Where the ranks meet (first match wins):
   local port on a single host); it starts the host's other ``tensor_parallel / nodes`` - 1 ranks as
   child processes and joins as ``host index * ranks per host``.
 
-Two groups: a gloo "control" group that carries each step's instructions (a worker waits on it
-between steps, so its timeout is long), and a "data" group (NCCL on CUDA, gloo on the CPU) for the
-model's collectives, the integrity votes and keepalives, whose timeout is ``--dist-timeout``: a
-rank that dies or hangs fails the replica within that time. Every worker records the number of
+Groups: a gloo "control" group that carries each step's instructions (a worker waits on it between
+steps, so its timeout is long), a "data" group (NCCL on CUDA, gloo on the CPU) for the model's
+collectives, and a gloo "cpu" group (the data group itself on the CPU) for the integrity votes,
+keepalives and KV page transfers; those two time out after ``--dist-timeout``: a rank that dies or
+hangs fails the replica within that time. Every worker records the number of
 the last instruction it finished in the rendezvous store, so rank 0 can say which rank did not
 answer.
 """
@@ -151,10 +152,25 @@ class ParallelGroup:
             timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S),
         )
         backend = "nccl" if config.torch_device().type == "cuda" else "gloo"
-        self.data = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.data = dist.new_group(backend=backend, timeout=timeout)  # the model's collectives
+        # votes, keepalives and KV page transfers: CPU tensors, the same timeout
+        self.cpu = self.data if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         self.control = None  # the default group
         if backend == "nccl":
             torch.cuda.set_device(rv.rank % max(1, torch.cuda.device_count()))
+
+    def wait_for_all(self, what: str) -> None:
+        """Every rank reached this point (e.g. loaded its slice, however long that took); raises
+        ReplicaFailure when a rank this process started exits first."""
+        work = dist.barrier(async_op=True)  # the control group: no collective timeout while loading
+        while not work.is_completed():
+            dead = {r: p for r, p in self.children.items() if p.exitcode is not None}
+            if dead:
+                text = "; ".join(_exit_text(r, p) for r, p in sorted(dead.items()))
+                raise ReplicaFailure(f"{text} before {what}")
+            time.sleep(0.05)
+        work.wait()
 
     # ------------------------------------------------------------------ acknowledgements
 
