@@ -161,15 +161,17 @@ class ColumnShard:
     weight: torch.Tensor | Int4Weight | Fp8Weight
     full_in: int
     row_amax: torch.Tensor | None = None  # float32 [N]: amax of each dense row (for FP8 from dense)
+    name: str = ""  # the checkpoint's weight name (for errors)
 
     def int4_group(self, preferred: int | None) -> int:
         """The INT4 group the whole row would get, which must divide this slice's width."""
         g = pick_group_size(self.full_in, preferred or 128)
         k = _cols(self.weight)
         if k % g:
+            where = f"{self.name}: " if self.name else ""
             raise ModelLoadError(
-                f"a tensor-parallel column slice of width {k} splits an INT4 group of {g} "
-                f"(input width {self.full_in}): choose --int4-group-size that divides it"
+                f"{where}a tensor-parallel column slice of width {k} splits an INT4 group of {g} "
+                f"(input width {self.full_in}): choose an --int4-group-size that divides {k}"
             )
         return g
 
@@ -214,7 +216,9 @@ def take_cols(w, start: int, end: int):
         g = w.group_size
         if start % g or end % g:
             raise ModelLoadError(
-                f"a tensor-parallel column slice [{start}, {end}) splits the stored INT4 groups of {g}"
+                f"a tensor-parallel column slice [{start}, {end}) splits the stored INT4 groups of {g}: "
+                f"use a tensor-parallel degree that cuts at multiples of {g}, or a checkpoint quantized "
+                f"with smaller groups"
             )
         st = w.state()
         packed = st["packed"][:, start // 2 : end // 2].contiguous()
@@ -234,12 +238,17 @@ def take_cols(w, start: int, end: int):
     raise TypeError(f"cannot slice a {type(w).__name__} weight")
 
 
-def column_shard(w, start: int, end: int, need_amax: bool) -> ColumnShard:
+def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> ColumnShard:
+    """Columns [start, end) of ``w`` that remember the whole row (``name``: the weight's, for errors)."""
     amax = None
     if need_amax and not isinstance(w, Fp8Weight):
         dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         amax = dense.detach().float().abs().amax(dim=1)
-    return ColumnShard(take_cols(w, start, end), _cols(w), amax)
+    try:
+        part = take_cols(w, start, end)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{name}: {exc}" if name else str(exc)) from exc
+    return ColumnShard(part, _cols(w), amax, name)
 
 
 def int4_unit(w, formats: set[str], preferred: int | None) -> int:
@@ -280,7 +289,7 @@ def shard_weights(
             part = take_rows(w, kv0 * d, kv1 * d)
         elif key.endswith("self_attn.o_proj"):
             width = cfg.mla.v_head_dim if cfg.mla is not None else d
-            part = column_shard(w, q0 * width, q1 * width, need_amax) if last == "weight" else None
+            part = column_shard(w, q0 * width, q1 * width, need_amax, name) if last == "weight" else None
             part = _row_bias(w, plan) if part is None else part
         elif cfg.mla is not None and key.endswith(("self_attn.q_proj", "self_attn.q_b_proj")):
             per = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
@@ -294,16 +303,16 @@ def shard_weights(
                 continue
         elif ".mlp.shared_experts." in name:
             s0, s1 = plan.shared_intermediate
-            part = _mlp_slice(key, last, w, s0, s1, need_amax, plan)
+            part = _mlp_slice(name, last, w, s0, s1, need_amax, plan)
         elif key.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")):
-            part = _mlp_slice(key, last, w, i0, i1, need_amax, plan)
+            part = _mlp_slice(name, last, w, i0, i1, need_amax, plan)
         out[out_name] = part
     return out
 
 
-def _mlp_slice(key: str, last: str, w, start: int, end: int, need_amax: bool, plan: ShardPlan):
-    if key.endswith("down_proj"):
-        return column_shard(w, start, end, need_amax) if last == "weight" else _row_bias(w, plan)
+def _mlp_slice(name: str, last: str, w, start: int, end: int, need_amax: bool, plan: ShardPlan):
+    if name.rsplit(".", 1)[0].endswith("down_proj"):
+        return column_shard(w, start, end, need_amax, name) if last == "weight" else _row_bias(w, plan)
     return take_rows(w, start, end)
 
 

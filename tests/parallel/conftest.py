@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# Weights N(0, 0.05): large enough that the logits are far from flat (clear greedy margins, see
-# test_tp_families.MIN_MARGIN) on these 2-3 layer models.
+# Weights N(0, 0.05) from seed 0: logits with a standard deviation of 0.4 (0.8 for the wider qwen2).
+# Along the compared greedy paths the smallest top-1 over top-2 logit margin measures 2e-4 (qwen3,
+# reference formats) to 7e-3, far above the float32 summation-order noise two ranks add.
 INIT_STD = 0.05
 SEED = 0
 
@@ -48,6 +49,8 @@ def _hf_config(family: str):
         return tf.LlamaConfig(**_BASE, head_dim=64, rope_theta=10000.0)
     if family == "llama_kv1":  # 1 KV head < 2 ranks: the KV head is replicated, its queries split
         return tf.LlamaConfig(**{**_BASE, "num_key_value_heads": 1}, head_dim=64, rope_theta=10000.0)
+    if family == "llama_narrow":  # o_proj input width 128: the default INT4 group (128) cannot split
+        return tf.LlamaConfig(**_BASE, head_dim=32, rope_theta=10000.0)
     if family == "qwen3":  # q/k RMSNorm per head
         return tf.Qwen3Config(**_BASE, head_dim=64, rope_theta=1000000.0)
     if family == "qwen2":  # q/k/v biases

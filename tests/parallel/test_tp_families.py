@@ -6,14 +6,18 @@ reference formats; and a column split inside an INT4 group is refused at load, n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.models.config import ModelLoadError
+from pagoda.node_agent.models.parallel import make_plan
 
 from ..engine.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from .conftest import run_generate
@@ -76,3 +80,99 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, family, formats):
     got = _tp2(path, formats, PROMPTS, NEW_TOKENS)
     for p, g, w in zip(PROMPTS, got, want, strict=True):
         assert g == w, f"{family} ({formats}) {p!r}: 2 ranks {g['token_ids']} != 1 rank {w['token_ids']}"
+
+
+@pytest.mark.slow
+def test_builtin_model_two_ranks_equal_one_rank(make_engine, builtin_tokenizer):
+    """The transformers-equivalence prompts (4 chat, 4 plain; 32 tokens) in the default formats, in one
+    ``pagoda generate`` run: the chat prompts go in already rendered by the chat template."""
+    engine = make_engine(formats=PhaseFormats(), kv_memory=64 << 20)
+    rendered = [
+        builtin_tokenizer._tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in CHAT_PROMPTS
+    ]
+    # the rendered text is the prompt --chat (and the transformers-equivalence test) gives the model
+    assert [engine.tokenize(r) for r in rendered] == [engine.tokenize(p, chat=True) for p in CHAT_PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    rids = [engine.add_request(p, params) for p in rendered + PLAIN_PROMPTS]
+    final = engine.run_until_done()
+    want = [{"token_ids": final[r].token_ids, "finish_reason": final[r].finish_reason} for r in rids]
+    assert sum(len(o["token_ids"]) for o in want) >= 8 * 16  # most prompts run the full 32 tokens
+    got = _tp2("builtin://smollm2-135m", "default", rendered + PLAIN_PROMPTS, 32, "64MiB")
+    for p, g, w in zip(CHAT_PROMPTS + PLAIN_PROMPTS, got, want, strict=True):
+        assert g == w, f"{p!r}: 2 ranks {g} != 1 rank {w}"
+
+
+# ------------------------------------------------------------------ INT4 groups at shard boundaries
+
+
+def _build_rank(loaded, rank: int, **kw):
+    """Rank ``rank`` of 2's model, built in this process (building calls no collective)."""
+    from types import SimpleNamespace
+
+    from pagoda.node_agent.engine.model_runner import build_model
+
+    config = EngineConfig(model=loaded.source, **kw)
+    group = SimpleNamespace(rank=rank, world=2, data=None)
+    return build_model(config, loaded, torch.float32, torch.device("cpu"), group)
+
+
+def _o_proj_int4(model) -> Int4Weight:
+    return model.layers[0].o_proj.by_phase["decode"].weight
+
+
+@pytest.fixture(scope="module")
+def narrow(tiny_model_dir):
+    """A tiny Llama whose o_proj input is 128 wide (4 heads x 32): 64 columns per rank."""
+    from pagoda.node_agent.models.loader import load_model
+
+    path = tiny_model_dir("llama_narrow")
+    return path, load_model(str(path))
+
+
+def test_converted_int4_group_inside_a_column_slice_is_refused(narrow):
+    _, loaded = narrow
+    with pytest.raises(ModelLoadError, match=r"splits an INT4 group of 128 \(input width 128\)"):
+        _build_rank(loaded, 0)  # the default group is 128: each rank's 64 columns would cut it
+    for group in (64, 32):  # groups that divide a rank's slice: the whole row's groups, sliced
+        w = _o_proj_int4(_build_rank(loaded, 1, int4_group_size=group))
+        assert (w.in_features, w.group_size) == (64, group)
+
+
+def test_stored_int4_group_inside_a_column_slice_is_refused(narrow, tmp_path):
+    from pagoda.node_agent.models.loader import load_model
+    from pagoda.node_agent.models.quantize import quantize_checkpoint
+
+    path, _ = narrow
+    # auto groups: the largest of 128/64/32 dividing each input width (o_proj's 128: one group per row)
+    quantize_checkpoint(str(path), "int4", tmp_path / "auto", group_size=None, progress=False)
+    quantize_checkpoint(str(path), "int4", tmp_path / "64", group_size=64, progress=False)
+    stored128 = load_model(str(tmp_path / "auto"))
+    msg = r"model\.layers\.0\.self_attn\.o_proj\.weight: .*\[0, 64\) splits the stored INT4 groups of 128"
+    with pytest.raises(ModelLoadError, match=msg):
+        _build_rank(stored128, 0, int4_group_size=32)  # a stored group is what it is: no flag fixes it
+    stored64 = load_model(str(tmp_path / "64"))
+    whole = stored64.weights["model.layers.0.self_attn.o_proj.weight"]
+    w = _o_proj_int4(_build_rank(stored64, 1))
+    assert (w.in_features, w.group_size) == (64, 64)
+    assert torch.equal(w.dequantize(), whole.dequantize()[:, 64:])  # rank 1's columns, bit for bit
+
+
+def test_mlp_width_split_inside_an_int4_group_is_refused(narrow):
+    _, loaded = narrow
+    cfg = dataclasses.replace(loaded.config, intermediate_size=128)
+    with pytest.raises(
+        ModelLoadError, match="MLP width of 128 cannot be split over 2 ranks at INT4 group boundaries of 128"
+    ):
+        make_plan(cfg, 0, 2, mlp_unit=128)
+    assert [make_plan(cfg, r, 2, mlp_unit=64).intermediate for r in (0, 1)] == [(0, 64), (64, 128)]
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_fitting_int4_group_equal_one_rank(narrow):
+    path, _ = narrow
+    want = _tp1(str(path), "default", PROMPTS[:2], NEW_TOKENS, int4_group_size=64)
+    assert [o["finish_reason"] for o in want] == ["length"] * 2
+    assert _tp2(str(path), "default", PROMPTS[:2], NEW_TOKENS, TINY_KV, "--int4-group-size", "64") == want
