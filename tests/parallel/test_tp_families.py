@@ -176,3 +176,31 @@ def test_two_ranks_with_a_fitting_int4_group_equal_one_rank(narrow):
     want = _tp1(str(path), "default", PROMPTS[:2], NEW_TOKENS, int4_group_size=64)
     assert [o["finish_reason"] for o in want] == ["length"] * 2
     assert _tp2(str(path), "default", PROMPTS[:2], NEW_TOKENS, TINY_KV, "--int4-group-size", "64") == want
+
+
+# ------------------------------------------------------------------ MLA's scheme
+
+
+def test_mla_ranks_split_query_heads_and_keep_the_whole_latent(tiny_model_dir):
+    """DeepSeek-V3 under 2 ranks: each rank holds 2 of the 4 query heads (q_b and kv_b rows per head,
+    o_proj columns per head) and the whole latent (kv_a replicated), so its KV pool stores what one
+    rank alone stores: kv_lora_rank + qk_rope_head_dim values per token and layer."""
+    from pagoda.node_agent.engine.kv_setup import kv_components
+    from pagoda.node_agent.models.loader import load_model
+
+    loaded = load_model(str(tiny_model_dir("deepseek_v3")))
+    m, p = loaded.config.mla, "model.layers.1.self_attn."
+    full = kv_components(loaded.config)
+    assert full == {"latent": (1, 32), "rope_k": (1, 8)}
+    kv_b = loaded.weights[p + "kv_b_proj.weight"].view(4, m.qk_nope_head_dim + m.v_head_dim, -1)
+    o_proj = loaded.weights[p + "o_proj.weight"]
+    for rank in (0, 1):
+        model = _build_rank(loaded, rank, dtype="float32", formats=PhaseFormats.reference())
+        mla, heads = model.layers[1].mla, slice(2 * rank, 2 * rank + 2)
+        assert mla.heads == 2 and kv_components(model.cfg) == full
+        assert torch.equal(mla.w_uk, kv_b[heads, : m.qk_nope_head_dim])
+        assert torch.equal(mla.w_uv, kv_b[heads, m.qk_nope_head_dim :])
+        cols = slice(rank * 2 * m.v_head_dim, (rank + 1) * 2 * m.v_head_dim)
+        assert torch.equal(mla.o_proj.by_phase["decode"].weight, o_proj[:, cols])
+        kv_a = loaded.weights[p + "kv_a_proj_with_mqa.weight"]
+        assert torch.equal(mla.kv_a_proj.by_phase["decode"].weight, kv_a)  # the latent: every rank
