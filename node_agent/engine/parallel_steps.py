@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pagoda.kernels.integrity import check_page_tags
 from pagoda.node_agent.engine.handoff import convert_into, extract_pages
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
+from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
 from pagoda.node_agent.models.batch import StepBatch
 
@@ -214,7 +214,8 @@ class ParallelDriver:
             return layers, scales
         per_rank = [(layers, scales)]
         for r in range(1, self.group.world):
-            per_rank.append(_recv_pages(pool, len(refs), self.head_split[r], r, self.group))
+            h0, h1 = self.head_split[r]
+            per_rank.append(_recv_pages(pool, len(refs), h1 - h0, r, self.group))
         _barrier(self.group)
         return _concat_heads(per_rank)
 
@@ -233,7 +234,7 @@ class ParallelDriver:
         split = _split_by_head(pool)
         for r in range(1, self.group.world):
             h = self.head_split[r] if split else None
-            _send_pages(_slice_heads(layers, scales, h), r, self.group)
+            _send_pages(pool, _slice_heads(layers, scales, h), r, self.group)
         mine = _slice_heads(layers, scales, self.head_split[0] if split else None)
         convert_into(pool, refs, mine[0], mine[1], backend=self.backend)
         _barrier(self.group)
@@ -300,25 +301,76 @@ def _tensor_list(layers, scales) -> list[torch.Tensor]:
     return out
 
 
-def _send_pages(pages, dst: int, group: ParallelGroup) -> None:
+# the element types a page transfer may carry, by wire code
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+LAYOUT_LEN = 20  # int64s: [keys, scale keys, (name, dtype) per key, (name, dtype) per scale key]
+
+
+def _key_names(pool: KVPagePool) -> list[str]:
+    """Every name a transfer's per-layer dict may hold: the components and their per-token scales."""
+    comps = sorted(pool.replica_components)
+    return comps + [page_scale_key(c) for c in comps]
+
+
+def _layout(pool: KVPagePool, layers, scales) -> torch.Tensor:
+    """What the pages are (their keys and element types; the receiver knows the shapes), as int64s.
+    The pages of a transfer come from one source, so every layer holds the same keys."""
+    names = _key_names(pool)
+    keys = sorted(layers[0])
+    skeys = sorted(scales[0]) if scales else []
+    if any(sorted(layer) != keys for layer in layers) or any(sorted(s) != skeys for s in scales or []):
+        raise ValueError("the pages to transfer hold different components in different layers")
+    out = [len(keys), len(skeys)]
+    for k, t in [(k, layers[0][k]) for k in keys] + [(k, scales[0][k]) for k in skeys]:
+        if k not in names or t.dtype not in WIRE_DTYPES:
+            raise ValueError(f"cannot transfer KV component {k!r} of {t.dtype}")
+        out += [names.index(k), WIRE_DTYPES.index(t.dtype)]
+    if len(out) > LAYOUT_LEN:
+        raise ValueError(f"a page transfer of {len(keys)} + {len(skeys)} keys is too large to describe")
+    return torch.tensor(out + [0] * (LAYOUT_LEN - len(out)), dtype=torch.long)
+
+
+def _read_layout(pool: KVPagePool, layout: torch.Tensor) -> tuple[list[tuple], list[tuple]]:
+    """([(key, dtype)] of each layer's pages, [(key, dtype)] of each layer's static scales)."""
+    names = _key_names(pool)
+    nk, ns = int(layout[0]), int(layout[1])
+    if not (
+        0 < nk <= len(names) and 0 <= ns <= len(pool.replica_components) and 2 + 2 * (nk + ns) <= LAYOUT_LEN
+    ):
+        raise ValueError(f"page transfer layout out of range: {layout.tolist()}")
+    pairs = layout[2 : 2 + 2 * (nk + ns)].view(-1, 2).tolist()
+    if any(not (0 <= i < len(names) and 0 <= d < len(WIRE_DTYPES)) for i, d in pairs):
+        raise ValueError(f"page transfer layout names an unknown key or type: {layout.tolist()}")
+    got = [(names[i], WIRE_DTYPES[d]) for i, d in pairs]
+    if any(is_page_scale_key(k) for k, _ in got[nk:]):
+        raise ValueError("page transfer layout: a static scale of a per-token scale")
+    return got[:nk], got[nk:]
+
+
+def _send_pages(pool: KVPagePool, pages, dst: int, group: ParallelGroup) -> None:
+    """Send ``pages`` (layers, static scales) to rank ``dst``: their layout first, then each tensor."""
+    dist.send(_layout(pool, *pages), dst=dst, group=group.data)
     for t in _tensor_list(*pages):
         dist.send(_raw(t), dst=dst, group=group.data)
 
 
-def _recv_pages(pool: KVPagePool, n: int, heads: tuple[int, int], src: int, group: ParallelGroup):
-    """Rank ``src``'s pages of ``pool``'s layout (its ``heads``), received in _tensor_list order."""
-    h = heads[1] - heads[0]
-    layers = []
-    for layer in pool.layers:
-        got = {}
-        for c in sorted(layer):
-            t = layer[c]
-            shape = (n, t.shape[1], h, *t.shape[3:])
-            got[c] = _recv(t.dtype, shape, src, group)
-        layers.append(got)
+def _recv_pages(pool: KVPagePool, n: int, h: int, src: int, group: ParallelGroup):
+    """``n`` pages of ``h`` KV heads sent by rank ``src`` (the layout its _send_pages describes:
+    a handoff payload may hold another format than ``pool``), in _tensor_list order."""
+    layout = torch.zeros(LAYOUT_LEN, dtype=torch.long)
+    dist.recv(layout, src=src, group=group.data)
+    keys, skeys = _read_layout(pool, layout)
+    rc = pool.replica_components
+
+    def shape(key: str) -> tuple[int, ...]:
+        if is_page_scale_key(key):
+            return (n, pool.page_size, h)
+        return (n, pool.page_size, h, *rc[key][1:])
+
+    layers = [{k: _recv(dt, shape(k), src, group) for k, dt in keys} for _ in range(pool.num_layers)]
     scales = None
-    if pool.static_scales and any(pool.static_scales):
-        scales = [{c: _recv(s.dtype, (h,), src, group) for c in sorted(s)} for s in pool.static_scales]
+    if skeys:
+        scales = [{k: _recv(dt, (h,), src, group) for k, dt in skeys} for _ in range(pool.num_layers)]
     return layers, scales
 
 
@@ -421,14 +473,14 @@ class Follower:
             self._check_pages(pool, body)
             refs = [PageRef(int(p), 0) for p in body]
             if _split_by_head(pool):
-                _send_pages(extract_pages(pool, refs), 0, self.group)
+                _send_pages(pool, extract_pages(pool, refs), 0, self.group)
             _barrier(self.group)
         elif op == Op.SCATTER:
             pool, n = self.pools.get(args[0]), args[1]
             self._check_sizes(body, n)
             self._check_pages(pool, body)
             refs = [PageRef(int(p), 0) for p in body]
-            heads = (0, pool.components[next(iter(pool.components))][0])
+            heads = pool.components[next(iter(pool.components))][0]  # this rank's (or MLA's whole)
             layers, scales = _recv_pages(pool, n, heads, 0, self.group)
             convert_into(pool, refs, layers, scales, backend=self.backend)
             _barrier(self.group)
