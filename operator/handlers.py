@@ -115,10 +115,13 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
 
     # Secrets are not watched: that would need list/watch on every Secret in the watched
     # namespaces. A deleted ``<md>-internal`` Secret comes back on the next timer pass.
+    # LeaderWorkerSets are watched when their CRD is installed at start (kopf resolves resources
+    # once); otherwise, or when it is installed later, the timer pass sees them.
     for group, version, plural in (
         ("apps", "v1", "deployments"),
         ("", "v1", "services"),
         ("networking.k8s.io", "v1", "networkpolicies"),
+        ("leaderworkerset.x-k8s.io", "v1", children.LWS_PLURAL),
     ):
 
         @kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)

@@ -106,8 +106,9 @@ class Emulator(kmock.KubernetesEmulator):
 class Cluster:
     """A kmock API server plus a running operator; HTTP helpers for the test thread."""
 
-    def __init__(self, cfg: Config, kubeconfig: pathlib.Path) -> None:
+    def __init__(self, cfg: Config, kubeconfig: pathlib.Path, without: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
+        self.without = without  # keys of RESOURCES the emulated cluster does not serve
         self.kubeconfig = kubeconfig
         self.url = ""
         self._started = threading.Event()
@@ -135,7 +136,8 @@ class Cluster:
     async def _main(self) -> None:
         async with Emulator() as emulator, kmock.Server(emulator) as server:
             for key, info in RESOURCES.items():
-                emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
+                if key not in self.without:
+                    emulator.resources[key] = kmock.ResourceInfo(verbs=VERBS, **info)
             self.emulator = emulator
             self.url = str(server.url).rstrip("/")
             self.kubeconfig.write_text(
@@ -225,3 +227,4 @@ EVENT_PATH = "/api/v1/namespaces/{ns}/events"
 PDB_PATH = "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets"
 HPA_PATH = "/apis/autoscaling/v2/namespaces/{ns}/horizontalpodautoscalers"
 LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets"
+LWS_RESOURCE = "leaderworkerset.x-k8s.io/v1/leaderworkersets"

@@ -169,7 +169,14 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),
     ]
-    assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == {"get", "create", "patch", "delete"}
+    assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    }
     assert verbs[("", "pods")] == {"list", "patch"} and verbs[("", "events")] == {"create"}
     assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}

@@ -4,15 +4,31 @@ without the LeaderWorkerSet CRD."""
 
 from __future__ import annotations
 
-from op_cluster import DEP_PATH, LWS_PATH, MD_PATH, POD_PATH, SVC_PATH, Cluster
+import pathlib
+from collections.abc import Iterator
+
+import kmock
+import pytest
+from op_cluster import (
+    DEP_PATH,
+    LWS_PATH,
+    LWS_RESOURCE,
+    MD_PATH,
+    POD_PATH,
+    RESOURCES,
+    SVC_PATH,
+    VERBS,
+    Cluster,
+)
 from op_schema import example
 from test_operator_kmock import condition, create_md, set_ready, update_spec
+
+from pagoda.operator.config import Config
 
 NS = "default"
 MD = MD_PATH.format(ns=NS) + "/smollm"
 LWSS = LWS_PATH.format(ns=NS)
 DEPS = DEP_PATH.format(ns=NS)
-LWS_RESOURCE = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 MULTI = {"gpus": 0, "tensorParallel": 2, "nodesPerReplica": 2}  # gloo over two CPU hosts
 
@@ -65,7 +81,13 @@ def test_a_multi_node_pool_is_a_leader_worker_set_and_counts_ready_groups(cluste
     set_ready(cluster, "prefill", 1)
     set_ready(cluster, "router", 1)
     md = cluster.wait_for(
-        lambda: (m := cluster.get(MD)) and m["status"]["decode"].get("incompleteGroups") == 1 and m,
+        lambda: (
+            (m := cluster.get(MD))
+            and m["status"]["decode"].get("incompleteGroups") == 1
+            and m["status"]["decode"]["readyReplicas"] == 1
+            and condition(m, "Ready")["reason"] != "PoolsNotReady"
+            and m
+        ),
         what="the incomplete group",
     )
     decode = md["status"]["decode"]
@@ -107,11 +129,25 @@ def test_switching_a_pool_between_deployment_and_leader_worker_set(cluster: Clus
     assert cluster.get(f"{DEPS}/smollm-prefill") is not None  # the other pool is left alone
 
 
+@pytest.fixture
+def cluster_without_lws(
+    operator_config: Config, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Cluster]:
+    """A cluster whose API server does not serve LeaderWorkerSets when the operator starts."""
+    kubeconfig = tmp_path / "kubeconfig"
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    running = Cluster(operator_config, kubeconfig, without=(LWS_RESOURCE,))
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 def test_without_the_leader_worker_set_crd_the_pool_is_degraded_until_it_is_installed(
-    cluster: Cluster,
+    cluster_without_lws: Cluster,
 ) -> None:
-    info = cluster.emulator.resources[LWS_RESOURCE]
-    del cluster.emulator.resources[LWS_RESOURCE]  # a cluster without LeaderWorkerSet
+    cluster = cluster_without_lws
     create_md(cluster, example(prefill={"gpus": 0}, decode=MULTI))
     md = cluster.wait_for(
         lambda: (m := cluster.get(MD)) and condition(m, "Degraded") and m, what="Degraded condition"
@@ -123,7 +159,8 @@ def test_without_the_leader_worker_set_crd_the_pool_is_degraded_until_it_is_inst
     assert condition(md, "Progressing")["reason"] == "Blocked"
     assert lws(cluster) is None and cluster.get(f"{DEPS}/smollm-router") is None  # nothing applied
 
-    cluster.emulator.resources[LWS_RESOURCE] = info  # installed: the next timer pass goes on
+    # Installed while the operator runs: it is not watched then, but the next timer pass goes on.
+    cluster.emulator.resources[LWS_RESOURCE] = kmock.ResourceInfo(verbs=VERBS, **RESOURCES[LWS_RESOURCE])
     cluster.wait_for(lambda: lws(cluster), what="LeaderWorkerSet once the CRD is served")
     cluster.wait_for(
         lambda: condition(cluster.get(MD), "Degraded")["reason"] != "LeaderWorkerSetMissing",
