@@ -35,7 +35,8 @@ from pagoda.node_agent.serving.metrics import metric_sum
 
 from ..serving.live import free_port, metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.serve, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+serve = pytest.mark.serve
 
 MODEL = "smollm2-135m"
 TOKEN = "tp-disaggregation-test-internal-token"
@@ -192,12 +193,14 @@ def completions(url: str) -> tuple[list[str], list[int], int]:
     return texts, cached, pages
 
 
+@serve
 def test_the_servers_run_their_ranks(stack) -> None:
     for name, s in stack.workers.items():
         want = 1 if name.endswith("tp2") else 0
         assert len(rank_processes(s.ranks)) == want, (name, s.ranks)
 
 
+@serve
 @pytest.mark.parametrize("route", ["tp2->tp1", "tp1->tp2"])
 def test_handoff_between_degrees_is_token_identical_to_tp1(stack, route) -> None:
     texts, cached, pages = completions(stack.routers[route].url)
@@ -211,6 +214,7 @@ def test_handoff_between_degrees_is_token_identical_to_tp1(stack, route) -> None
     assert metric_sum(got, "pagoda_kv_transfer_pages_total", direction="received") == pages
 
 
+@serve
 def test_role_both_at_tp2_migrates_to_fp8_like_tp1(stack) -> None:
     texts, cached, _ = completions(stack.workers["both-tp2"].url)
     assert texts == stack.reference
@@ -254,6 +258,7 @@ def send_header(kv_address: str, header: dict) -> dict:
     return json.loads(buf[12 : 12 + length])
 
 
+@serve
 def test_a_payload_of_one_ranks_heads_is_refused_before_allocation_at_tp2(stack) -> None:
     """SmolLM2 has 3 KV heads; rank 0 of TP=2 holds 2. A handoff must carry all 3."""
     dec = stack.workers["decode-tp2"].url
@@ -289,6 +294,7 @@ def test_a_payload_of_one_ranks_heads_is_refused_before_allocation_at_tp2(stack)
     assert httpx.get(dec + "/ready").status_code == 200  # the replica serves on
 
 
+@serve
 def test_sigterm_stops_every_rank_process(stack) -> None:
     pids = [p for s in stack.servers for p in s.ranks]
     assert len(rank_processes(pids)) == 3
@@ -296,3 +302,29 @@ def test_sigterm_stops_every_rank_process(stack) -> None:
     assert left == []
     assert not any(alive(p) for p in pids)
     assert [s.proc.returncode for s in stack.servers] == [0] * len(stack.servers)
+
+
+# ------------------------------------------------------------------------ pages between two ranks
+
+
+def test_fp8_pages_and_their_scales_are_split_and_gathered_by_head_between_ranks() -> None:
+    """Beyond the servers' default formats: a float32 and an FP8 payload (per-token K scales,
+    static V scales) scattered over two ranks and gathered back equal one whole-head pool."""
+    import multiprocessing as mp
+
+    from .page_transfer_ranks import run
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=run, args=(r, port, results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.exitcode is None:
+                p.kill()
+    assert got == {0: [], 1: []}
