@@ -471,22 +471,31 @@ def template_label_patch(kind: str, labels_: dict[str, str]) -> Obj:
     return {"spec": {"template": tpl}}
 
 
-def _service_selector(meta: Obj, spec: Spec, role: str, formats: str | None) -> dict[str, str]:
+Kinds = dict[str, str]  # pool -> kind of the workload its Services select (default: the spec's)
+
+
+def _serving_kind(spec: Spec, role: str, kinds: Kinds | None) -> str:
+    return (kinds or {}).get(role) or workload_kind(spec, role)
+
+
+def _service_selector(
+    meta: Obj, spec: Spec, role: str, formats: str | None, kinds: Kinds | None
+) -> dict[str, str]:
     """A Service's pods: the role's, of the serving generation; of a multi-node pool, only leaders
     (workers serve no API)."""
     out = {**selector(meta["name"], role), **({FORMATS_LABEL: formats} if formats else {})}
-    if workload_kind(spec, role) == LWS_KIND:
+    if role in POOLS and _serving_kind(spec, role, kinds) == LWS_KIND:
         out.update(LEADER)
     return out
 
 
-def service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj:
+def service(meta: Obj, spec: Spec, role: str, formats: str | None = None, kinds: Kinds | None = None) -> Obj:
     """Service ``<md>-<role>``; the router's type and port come from the spec. A pool's Services
-    select the serving format generation ``formats`` (none: every pod of the pool) and, for a
-    multi-node pool, its leaders only."""
+    select the serving format generation ``formats`` (none: every pod of the pool) and, when the
+    serving workload is a LeaderWorkerSet (``kinds``; by default the spec's kind), its leaders only."""
     svc_spec: Obj = {
         "type": "ClusterIP",
-        "selector": _service_selector(meta, spec, role, formats),
+        "selector": _service_selector(meta, spec, role, formats, kinds),
         "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
     }
     if role == "router":
@@ -500,7 +509,9 @@ def service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj
     }
 
 
-def headless_service(meta: Obj, spec: Spec, role: str, formats: str | None = None) -> Obj:
+def headless_service(
+    meta: Obj, spec: Spec, role: str, formats: str | None = None, kinds: Kinds | None = None
+) -> Obj:
     """Headless Service ``<md>-<pool>-pods``: DNS returns one A record per ready pod of the pool (per
     ready leader of a multi-node pool), so the router sees (and routes, marks down, pins sessions
     to) each replica, not one Service IP."""
@@ -514,15 +525,17 @@ def headless_service(meta: Obj, spec: Spec, role: str, formats: str | None = Non
             "clusterIP": "None",
             # publishNotReadyAddresses stays unset (false): only ready pods are in DNS. Set to its
             # default it would be dropped by the API server and patched again on every pass.
-            "selector": _service_selector(meta, spec, role, formats),
+            "selector": _service_selector(meta, spec, role, formats, kinds),
             "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
 
-def scaling_children(meta: Obj, spec: Spec, cfg: Config, slots: dict[str, str] | None = None) -> list[Obj]:
+def scaling_children(
+    meta: Obj, spec: Spec, cfg: Config, slots: dict[str, str] | None = None, kinds: Kinds | None = None
+) -> list[Obj]:
     """PodDisruptionBudgets (pools and router, unless disabled; over both slots of a pool) and
-    autoscalers of autoscaled pools, on the Deployment of the serving slot (``slots``)."""
+    autoscalers of autoscaled pools, on the workload of the serving slot (``slots``, ``kinds``)."""
     objs: list[Obj] = []
     name = meta["name"]
     for role in ("prefill", "decode", "router"):
@@ -535,7 +548,7 @@ def scaling_children(meta: Obj, spec: Spec, cfg: Config, slots: dict[str, str] |
         if auto is not None:
             md = _metadata(meta, child_name(name, role), role)
             target = pool_deployment_name(name, role, (slots or {}).get(role, BLUE))
-            kind = workload_kind(spec, role)
+            kind = _serving_kind(spec, role, kinds)
             api = LWS_API_VERSION if kind == LWS_KIND else "apps/v1"
             objs.append(scaling.autoscaler(md, target, auto, cfg, kind=kind, api_version=api))
     return objs
@@ -586,7 +599,7 @@ def _tcp(port: int) -> Obj:
     return {"protocol": "TCP", "port": port}
 
 
-def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
+def network_policies(meta: Obj, spec: Spec, kinds: Kinds | None = None) -> list[Obj]:
     """Ingress fences of the pools (none when ``spec.networkPolicy.enabled`` is false).
 
     Decode pods: the router on http (its ``/internal/decode`` calls), prefill pods on kv (the KV
@@ -607,7 +620,7 @@ def network_policies(meta: Obj, spec: Spec) -> list[Obj]:
         "prefill": [{"from": [_peer(name, "router")], "ports": [_tcp(PORT)]}],
     }
     for role, ingress in rules.items():
-        if spec.pool(role).multi_node:
+        if LWS_KIND in (workload_kind(spec, role), _serving_kind(spec, role, kinds)):
             # The ranks of a replica: the rendezvous port, then NCCL/gloo connections on ports
             # they pick themselves, so any port from the pool's own pods.
             ingress.append({"from": [_peer(name, role)]})
@@ -634,6 +647,7 @@ def build(
     slots: dict[str, str] | None = None,
     serving: dict[str, str | None] | None = None,
     scale_slots: dict[str, str] | None = None,
+    serving_kinds: Kinds | None = None,
 ) -> dict[str, Obj]:
     """All children keyed by ``Kind/name``, in the order they should be applied (the network
     policies before the pods they fence, the Deployments before their autoscalers).
@@ -641,17 +655,20 @@ def build(
     ``slots`` names the slot each pool's desired Deployment goes into (blue by default) and
     ``serving`` the format generation each pool's Services select (the spec's by default; None:
     no generation in the selector, as Services made before generations had). The reconciler sets
-    both during a format change (``rollout.plan``)."""
+    both during a format change (``rollout.plan``), and ``serving_kinds``: the kind of the workload
+    each pool's Services and autoscaler point at while the old pair still serves (the spec's kind
+    by default), so that a format change that also crosses ``nodesPerReplica`` 1 keeps the old
+    pair's selectors until its traffic moves."""
     slots = slots or {}
     generation = formats_generation(spec)
-    objs = agent_rbac(meta) + network_policies(meta, spec)
+    objs = agent_rbac(meta) + network_policies(meta, spec, serving_kinds)
     for role in ("decode", "prefill", "router"):
         objs.append(workload(meta, spec, role, cfg, internal_uid, slots.get(role, BLUE)))
         if role == "router":
             objs.append(service(meta, spec, role))
             continue
         formats = serving[role] if serving is not None and role in serving else generation
-        objs.append(service(meta, spec, role, formats))
-        objs.append(headless_service(meta, spec, role, formats))
-    objs += scaling_children(meta, spec, cfg, scale_slots or slots)
+        objs.append(service(meta, spec, role, formats, serving_kinds))
+        objs.append(headless_service(meta, spec, role, formats, serving_kinds))
+    objs += scaling_children(meta, spec, cfg, scale_slots or slots, serving_kinds)
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

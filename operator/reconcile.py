@@ -161,7 +161,16 @@ async def _converge(
     out.plan = plan
     out.stage = plan.stage
     placed = {p: s or children.BLUE for p, s in plan.slots.items()}
-    desired = children.build(meta, spec, cfg, internal_uid, placed, plan.serving, plan.scale_slots)
+    desired = children.build(
+        meta,
+        spec,
+        cfg,
+        internal_uid,
+        placed,
+        plan.serving,
+        plan.scale_slots,
+        _serving_kinds(plan, generation, deps, kinds),
+    )
     await _remove_unwanted(kube, meta, desired, cfg, out)
     applied: set[str] = set()
     for key, obj in desired.items():
@@ -212,6 +221,19 @@ async def _converge(
         now_found = await _found(kube, ns, names[(p, plan.scale_slots.get(p, children.BLUE))], lws)
         serving[p] = _pick(now_found, kinds[p])
     return {**serving, "router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
+
+
+def _serving_kinds(
+    plan: rollout.Plan, generation: str, deps: dict[tuple[str, str], Obj | None], kinds: dict[str, str]
+) -> dict[str, str]:
+    """Per pool, the kind of the workload its Services and autoscaler point at: the spec's once they
+    select the current generation (in place, the new kind replaces the old in this pass), else the
+    kind of the old pair's workload that still serves (blue/green)."""
+    out: dict[str, str] = {}
+    for p in POOLS:
+        live = deps.get((p, plan.scale_slots.get(p, children.BLUE)))
+        out[p] = live["kind"] if plan.serving.get(p) != generation and live is not None else kinds[p]
+    return out
 
 
 def _key(names: dict[tuple[str, str], str], name: str) -> tuple[str, str]:

@@ -199,3 +199,33 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
     cluster.wait_for(lambda: lws(cluster) is None, what="the old LeaderWorkerSet removed", timeout=30)
     moved = selector(cluster, "smollm-decode-pods")
     assert moved["pagoda.dev/formats"] != old and moved[WORKER_INDEX] == "0"
+
+
+def test_a_format_change_that_also_goes_multi_node_keeps_the_old_pair_serving(cluster: Cluster) -> None:
+    """Blue/green across kinds: the Services keep selecting the old Deployment's pods (no leader
+    label) until traffic moves to the new LeaderWorkerSet's leaders."""
+    create_md(cluster, example(prefill={"gpus": 0}, decode={"gpus": 0}))
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="children")
+    for role in ("prefill", "decode", "router"):
+        set_ready(cluster, role, 1)
+    cluster.wait_for(lambda: condition(cluster.get(MD), "Ready")["status"] == "True", what="Ready")
+    old = selector(cluster, "smollm-decode")
+
+    update_spec(cluster, {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": MULTI})
+    cluster.wait_for(lambda: lws(cluster, "smollm-decode-green"), what="green LeaderWorkerSet")
+    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
+    cluster.wait_for(
+        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "StartNewPair", what="StartNewPair"
+    )
+    for svc in ("smollm-decode", "smollm-decode-pods"):
+        assert selector(cluster, svc) == old  # still the serving Deployment's pods
+    assert cluster.get(f"{DEPS}/smollm-decode") is not None
+
+    ready = {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}}
+    cluster.patch(f"{LWSS}/smollm-decode-green/status", ready)
+    cluster.patch(f"{DEPS}/smollm-prefill-green/status", ready)
+    cluster.wait_for(
+        lambda: cluster.get(f"{DEPS}/smollm-decode") is None, what="old decode removed", timeout=30
+    )
+    moved = selector(cluster, "smollm-decode-pods")
+    assert moved[WORKER_INDEX] == "0" and moved["pagoda.dev/formats"] != old["pagoda.dev/formats"]
