@@ -1,9 +1,10 @@
 """The KV handoff between prefill and decode replicas of different tensor-parallel degrees.
 
-Real ``pagoda serve`` processes over the built-in model with the default formats (prefill bf16 KV,
-decode fp8 KV): a prefill replica of TP=2 gathers every rank's KV heads into the payload, a decode
-replica of TP=2 re-shards an arriving payload by head, and ``--role both`` at TP=2 migrates each
-rank's heads between its two pools. Greedy text through the router (and from the TP=2 ``both``
+Real ``pagoda serve --tensor-parallel 2`` processes (prefill, decode, both) over the built-in model
+with the default formats (prefill bf16 KV, decode fp8 KV), TP=1 workers and the routers live in this
+process: a prefill replica of TP=2 gathers every rank's KV heads into the payload, a decode replica
+of TP=2 re-shards an arriving payload by head, and ``--role both`` at TP=2 migrates each rank's heads
+between its two pools. Greedy text through the router (and from the TP=2 ``both``
 server) equals one TP=1 engine with the same formats; a payload shaped for one rank's heads is
 refused before allocation; SIGTERM stops every rank process.
 """
@@ -21,6 +22,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import openai
@@ -33,7 +35,8 @@ from pagoda.node_agent.serving.internal_auth import InternalAuth
 from pagoda.node_agent.serving.launch import wait_ready
 from pagoda.node_agent.serving.metrics import metric_sum
 
-from ..serving.live import free_port, metrics
+from ..serving.apps import serve_args
+from ..serving.live import LiveServer, free_port, metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 serve = pytest.mark.serve
@@ -70,13 +73,24 @@ def spawn(role: str, *extra: str) -> Server:
     return Server(role, f"http://127.0.0.1:{port}", proc)
 
 
-def worker(role: str, tp: int) -> Server:
+def tp2_server(role: str) -> Server:
+    """``pagoda serve --role ROLE --tensor-parallel 2``: a process that starts its rank 1 itself."""
     extra = ["--kv-port", str(free_port())] if role == "decode" else []
-    return spawn(role, *ENGINE, "--tensor-parallel", str(tp), *extra)
+    return spawn(role, *ENGINE, "--tensor-parallel", "2", *extra)
 
 
-def router(prefill: Server, decode: Server) -> Server:
-    return spawn("router", "--prefill-endpoints", prefill.url, "--decode-endpoints", decode.url)
+def in_process(make_engine, token_file: Path, role: str, *flags: str) -> LiveServer:
+    """A live TP=1 ``role`` server in this process (an engine over the session's loaded weights)."""
+    from pagoda.node_agent.cli.serve import build_app
+
+    engine = None
+    if role != "router":
+        engine = make_engine(
+            role=role, formats=PhaseFormats(), kv_memory=KV_MEMORY, max_num_seqs=8, max_model_len=512
+        )
+        flags = ("--kv-port", "0", *flags)
+    auth = ("--internal-token-file", str(token_file), "--tenant-secret", "s")
+    return LiveServer(build_app(serve_args("--role", role, *auth, *flags), engine=engine)).start()
 
 
 def children(proc: subprocess.Popen) -> list[int]:
@@ -142,38 +156,42 @@ def reference_texts(make_engine) -> list[str]:
 @dataclass
 class Stack:
     reference: list[str]
-    routers: dict[str, Server]  # "tp2->tp1", "tp1->tp2"
-    workers: dict[str, Server]
-    servers: list[Server]
-    stopped: list[int] | None = None
+    urls: dict[str, str]  # workers by "ROLE-tpN", routers by "tp2->tp1" and "tp1->tp2"
+    servers: list[Server]  # the TP=2 processes
 
 
 @pytest.fixture(scope="module")
-def stack(make_engine):
-    workers = {
-        "prefill-tp2": worker("prefill", 2),
-        "decode-tp1": worker("decode", 1),
-        "prefill-tp1": worker("prefill", 1),
-        "decode-tp2": worker("decode", 2),
-        "both-tp2": worker("both", 2),
-    }
-    servers = list(workers.values())
+def stack(make_engine, tmp_path_factory):
+    """The TP=2 servers as processes; the TP=1 workers and the two routers in this process (the same
+    serving code, without loading the model twice more)."""
+    token_file = tmp_path_factory.mktemp("tp_disagg") / "token"
+    token_file.write_text(TOKEN)
+    tp2 = {f"{role}-tp2": tp2_server(role) for role in ("prefill", "decode", "both")}
+    servers = list(tp2.values())
+    live: list[LiveServer] = []
     try:
         reference = reference_texts(make_engine)  # while the servers load
-        procs = [s.proc for s in servers]
+        urls = {name: s.url for name, s in tp2.items()}
+        for role in ("prefill", "decode"):
+            live.append(in_process(make_engine, token_file, role))
+            urls[f"{role}-tp1"] = live[-1].url
         for s in servers:
-            wait_ready(s.url, procs, 400)
+            wait_ready(s.url, [s.proc for s in servers], 400)
             s.ranks = children(s.proc)
-        routers = {
-            "tp2->tp1": router(workers["prefill-tp2"], workers["decode-tp1"]),
-            "tp1->tp2": router(workers["prefill-tp1"], workers["decode-tp2"]),
-        }
-        servers += routers.values()
-        for s in routers.values():
-            wait_ready(s.url, [s.proc for s in servers], 60)
-        st = Stack(reference, routers, workers, servers)
-        yield st
+        for route, (pre, dec) in {"tp2->tp1": ("tp2", "tp1"), "tp1->tp2": ("tp1", "tp2")}.items():
+            ends = (
+                "--prefill-endpoints",
+                urls[f"prefill-{pre}"],
+                "--decode-endpoints",
+                urls[f"decode-{dec}"],
+            )
+            live.append(in_process(make_engine, token_file, "router", *ends))
+            urls[route] = live[-1].url
+            wait_ready(urls[route], [s.proc for s in servers], 60)
+        yield Stack(reference, urls, servers)
     finally:
+        for srv in live:
+            srv.stop()
         stop(servers)
 
 
@@ -194,29 +212,28 @@ def completions(url: str) -> tuple[list[str], list[int], int]:
 
 
 @serve
-def test_the_servers_run_their_ranks(stack) -> None:
-    for name, s in stack.workers.items():
-        want = 1 if name.endswith("tp2") else 0
-        assert len(rank_processes(s.ranks)) == want, (name, s.ranks)
+def test_each_tp2_server_runs_its_rank_1(stack) -> None:
+    for s in stack.servers:
+        assert len(rank_processes(s.ranks)) == 1, (s.role, s.ranks)
 
 
 @serve
 @pytest.mark.parametrize("route", ["tp2->tp1", "tp1->tp2"])
 def test_handoff_between_degrees_is_token_identical_to_tp1(stack, route) -> None:
-    texts, cached, pages = completions(stack.routers[route].url)
+    texts, cached, pages = completions(stack.urls[route])
     assert texts == stack.reference
     assert cached[:3] == [0, 0, 0] and cached[3] >= 5 * PAGE_SIZE  # the second LONG: 5 whole pages
     assert pages >= 1 + 1 + 6 + 6  # a handoff carries all of its prompt's pages, cached or not
     pre, dec = route.split("->")
-    sent = metrics(stack.workers[f"prefill-{pre}"].url)
-    got = metrics(stack.workers[f"decode-{dec}"].url)
+    sent = metrics(stack.urls[f"prefill-{pre}"])
+    got = metrics(stack.urls[f"decode-{dec}"])
     assert metric_sum(sent, "pagoda_kv_transfer_pages_total", direction="sent") == pages
     assert metric_sum(got, "pagoda_kv_transfer_pages_total", direction="received") == pages
 
 
 @serve
 def test_role_both_at_tp2_migrates_to_fp8_like_tp1(stack) -> None:
-    texts, cached, _ = completions(stack.workers["both-tp2"].url)
+    texts, cached, _ = completions(stack.urls["both-tp2"])
     assert texts == stack.reference
     assert cached[3] >= 5 * PAGE_SIZE
 
@@ -261,7 +278,7 @@ def send_header(kv_address: str, header: dict) -> dict:
 @serve
 def test_a_payload_of_one_ranks_heads_is_refused_before_allocation_at_tp2(stack) -> None:
     """SmolLM2 has 3 KV heads; rank 0 of TP=2 holds 2. A handoff must carry all 3."""
-    dec = stack.workers["decode-tp2"].url
+    dec = stack.urls["decode-tp2"]
     shape = [PAGE_SIZE, 2, 64]  # rank 0's share of the heads, not the model's
     used = metric_sum(metrics(dec), "pagoda_kv_pages_used")
     with httpx.Client(timeout=60) as http:
