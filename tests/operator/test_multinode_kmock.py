@@ -168,6 +168,7 @@ def test_without_the_leader_worker_set_crd_the_pool_is_degraded_until_it_is_inst
     )
 
 
+@pytest.mark.slow  # about 10 s: a blue/green sequence on the operator's timer
 def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) -> None:
     """The new LeaderWorkerSet starts beside the serving one, which is deleted once traffic moved."""
     create_md(cluster, example(prefill={"gpus": 0}, decode=MULTI))
@@ -201,6 +202,7 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
     assert moved["pagoda.dev/formats"] != old and moved[WORKER_INDEX] == "0"
 
 
+@pytest.mark.slow  # about 10 s: a blue/green sequence on the operator's timer
 def test_a_format_change_that_also_goes_multi_node_keeps_the_old_pair_serving(cluster: Cluster) -> None:
     """Blue/green across kinds: the Services keep selecting the old Deployment's pods (no leader
     label) until traffic moves to the new LeaderWorkerSet's leaders."""
