@@ -18,6 +18,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
+import signal
 import time
 import uuid
 
@@ -71,7 +73,7 @@ class LLMEngine:
         self.dtype = config.torch_dtype()
         t0 = time.perf_counter()
         # tensor parallelism: this process is one rank of the replica (rank 0 drives the others)
-        self.group = ParallelGroup(config) if config.parallel.tensor_parallel > 1 else None
+        self.group = ParallelGroup(config, run_worker_rank) if config.parallel.tensor_parallel > 1 else None
         self.tp: ParallelDriver | None = None
         self._follower: Follower | None = None
         loaded = loaded or load_model(config.model)
@@ -622,3 +624,22 @@ class LLMEngine:
             if max_steps is not None and n >= max_steps:
                 break
         return final
+
+
+def run_worker_rank(config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
+    """A rank other than 0, in the child process its host's first rank started: join as ``rank``,
+    load this rank's slice, follow rank 0 until told to stop (exit 0) or until the group is lost
+    (exit 3)."""
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine = LLMEngine(config)
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed to start", rank)
+        os._exit(3)
+    os._exit(engine.follow())

@@ -25,9 +25,9 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -106,7 +106,9 @@ def rendezvous(pc: ParallelConfig) -> Rendezvous:
 class ParallelGroup:
     """This process's membership of the replica's group (and the local ranks it started)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, worker_main: Callable[..., None]) -> None:
+        """Join the replica; ``worker_main(config, rank, world, addr, port)`` runs each rank this
+        process starts (in a child process)."""
         pc = config.parallel
         if dist.is_initialized():
             raise RuntimeError(
@@ -121,7 +123,7 @@ class ParallelGroup:
             ctx = mp.get_context("spawn")
             for r in rv.local_ranks:
                 p = ctx.Process(
-                    target=run_worker_rank,
+                    target=worker_main,
                     args=(config, r, rv.world, rv.addr, rv.port),
                     name=f"pagoda-rank-{r}",
                     daemon=False,
@@ -235,24 +237,3 @@ def _limit_threads(config: EngineConfig, local_ranks: int) -> None:
     """CPU ranks on one host share its cores."""
     if config.torch_device().type == "cpu" and local_ranks > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
-def run_worker_rank(config: EngineConfig, rank: int, world: int, addr: str, port: int) -> None:
-    """A child process: join as ``rank``, load this rank's slice, follow rank 0 until told to stop.
-    Exits non-zero when the group is lost."""
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the ranks stop
-    logging.basicConfig(
-        level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
-    )
-    from pagoda.node_agent.engine.llm_engine import LLMEngine
-
-    try:
-        engine = LLMEngine(config)
-    except BaseException:
-        log.exception("tensor-parallel rank %d failed to start", rank)
-        os._exit(3)
-    code = engine.follow()
-    os._exit(code)
