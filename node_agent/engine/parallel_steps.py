@@ -213,9 +213,13 @@ class ParallelDriver:
             _barrier(self.group)
             return layers, scales
         per_rank = [(layers, scales)]
+        seen = {self.head_split[0]}
         for r in range(1, self.group.world):
             h0, h1 = self.head_split[r]
-            per_rank.append(_recv_pages(pool, len(refs), h1 - h0, r, self.group))
+            got = _recv_pages(pool, len(refs), h1 - h0, r, self.group)
+            if (h0, h1) not in seen:  # a KV head replicated on several ranks (fewer than ranks) goes once
+                seen.add((h0, h1))
+                per_rank.append(got)
         _barrier(self.group)
         return _concat_heads(per_rank)
 
