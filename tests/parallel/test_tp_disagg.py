@@ -324,9 +324,10 @@ def test_sigterm_stops_every_rank_process(stack) -> None:
 # ------------------------------------------------------------------------ pages between two ranks
 
 
-def test_fp8_pages_and_their_scales_are_split_and_gathered_by_head_between_ranks() -> None:
-    """Beyond the servers' default formats: a float32 and an FP8 payload (per-token K scales,
-    static V scales) scattered over two ranks and gathered back equal one whole-head pool."""
+def test_payload_pages_are_split_and_gathered_by_head_between_two_ranks() -> None:
+    """SCATTER and GATHER through ParallelDriver and Follower, beyond the servers' default formats:
+    float32 and FP8 payloads (per-token K scales, static V scales), 3 KV heads as 2 + 1 and one KV
+    head held by both ranks; every rank's pages and the gathered payload equal one whole-head pool."""
     import multiprocessing as mp
 
     from .page_transfer_ranks import run
