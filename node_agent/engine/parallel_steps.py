@@ -167,7 +167,7 @@ class ParallelDriver:
 
     def _vote_args(self, op: Op, local: torch.Tensor, body, args) -> torch.Tensor:
         self._send(op, body, args)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group.data)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group.cpu)
         return local
 
     def run_model(self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None, logits: bool):
@@ -230,17 +230,23 @@ class ParallelDriver:
         layers: list[dict[str, torch.Tensor]],
         scales: list[dict[str, torch.Tensor]] | None,
     ) -> None:
-        """Write arriving whole-head pages into ``refs``: each rank converts its heads."""
-        self._guard(self._scatter, pool, refs, layers, scales)
-
-    def _scatter(self, pool, refs, layers, scales) -> None:
-        self._send(Op.SCATTER, [r.page for r in refs], (self.pools.index(pool), len(refs)))
+        """Write arriving whole-head pages into ``refs``: each rank converts its heads. Each rank's
+        share and its layout are made before anything is sent, so a payload that cannot be sent
+        fails only its request (ValueError), never the replica."""
         split = _split_by_head(pool)
+        parts = [
+            _slice_heads(layers, scales, self.head_split[r] if split else None)
+            for r in range(self.group.world)
+        ]
+        for part in parts[1:]:
+            _layout(pool, *part)  # raises ValueError for keys or element types the ranks cannot move
+        self._guard(self._scatter, pool, refs, parts)
+
+    def _scatter(self, pool, refs, parts) -> None:
+        self._send(Op.SCATTER, [r.page for r in refs], (self.pools.index(pool), len(refs)))
         for r in range(1, self.group.world):
-            h = self.head_split[r] if split else None
-            _send_pages(pool, _slice_heads(layers, scales, h), r, self.group)
-        mine = _slice_heads(layers, scales, self.head_split[0] if split else None)
-        convert_into(pool, refs, mine[0], mine[1], backend=self.backend)
+            _send_pages(pool, parts[r], r, self.group)
+        convert_into(pool, refs, parts[0][0], parts[0][1], backend=self.backend)
         _barrier(self.group)
 
     def drift_tag(self, rank: int, pool: KVPagePool, page: int) -> None:
@@ -269,7 +275,7 @@ def _split_by_head(pool: KVPagePool) -> bool:
 
 
 def _barrier(group: ParallelGroup) -> None:
-    dist.all_reduce(torch.zeros(1, dtype=torch.long), group=group.data)
+    dist.all_reduce(torch.zeros(1, dtype=torch.long), group=group.cpu)
 
 
 def _slice_heads(layers, scales, heads):
@@ -353,16 +359,16 @@ def _read_layout(pool: KVPagePool, layout: torch.Tensor) -> tuple[list[tuple], l
 
 def _send_pages(pool: KVPagePool, pages, dst: int, group: ParallelGroup) -> None:
     """Send ``pages`` (layers, static scales) to rank ``dst``: their layout first, then each tensor."""
-    dist.send(_layout(pool, *pages), dst=dst, group=group.data)
+    dist.send(_layout(pool, *pages), dst=dst, group=group.cpu)
     for t in _tensor_list(*pages):
-        dist.send(_raw(t), dst=dst, group=group.data)
+        dist.send(_raw(t), dst=dst, group=group.cpu)
 
 
 def _recv_pages(pool: KVPagePool, n: int, h: int, src: int, group: ParallelGroup):
     """``n`` pages of ``h`` KV heads sent by rank ``src`` (the layout its _send_pages describes:
     a handoff payload may hold another format than ``pool``), in _tensor_list order."""
     layout = torch.zeros(LAYOUT_LEN, dtype=torch.long)
-    dist.recv(layout, src=src, group=group.data)
+    dist.recv(layout, src=src, group=group.cpu)
     keys, skeys = _read_layout(pool, layout)
     rc = pool.replica_components
 
@@ -381,7 +387,7 @@ def _recv_pages(pool: KVPagePool, n: int, h: int, src: int, group: ParallelGroup
 def _recv(dtype: torch.dtype, shape: tuple[int, ...], src: int, group: ParallelGroup) -> torch.Tensor:
     size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(size, dtype=torch.uint8)
-    dist.recv(raw, src=src, group=group.data)
+    dist.recv(raw, src=src, group=group.cpu)
     return _from_raw(raw, dtype, shape)
 
 
@@ -445,7 +451,7 @@ class Follower:
         return flat[at:]
 
     def _carry_out(self, op: Op, args: list[int], body: torch.Tensor) -> None:
-        data = self.group.data
+        data = self.group.cpu
         if op == Op.NOOP:
             dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
         elif op == Op.CHECK:
@@ -454,6 +460,9 @@ class Follower:
             pages = body[: b * w].view(b, w).to(torch.int32)
             tags = body[b * w : 2 * b * w].view(b, w).to(torch.int32)
             counts = body[2 * b * w :].to(torch.int32)
+            self._check_pages(pool, pages)
+            if bool((counts < 0).any()) or bool((counts > w).any()):
+                raise ValueError("a tag check names more pages than its table holds")
             dev = pool.tag_table.device
             mask = check_page_tags(
                 pages.to(dev), tags.to(dev), counts.to(dev), pool.tag_table, backend=self.backend
