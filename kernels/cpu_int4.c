@@ -120,3 +120,63 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
     free(xo);
     return failed;
 }
+
+/* INT8 weights with float16 block scales (GGUF Q8_0's layout: w = q * scale, blocks of `group` along
+ * K): y[M, N] = x[M, K] @ dequant(W)^T in float32. Each thread dequantizes one row of W (exact in
+ * float32: an 8-bit integer times a float16) and takes M dot products against it. */
+static void dequant_row_i8(const int8_t *q, const uint16_t *s, int64_t k, int64_t group, float *w) {
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+#ifdef __F16C__
+        const float sc = _cvtsh_ss(s[g0 / group]);
+#else
+        const float sc = 0.0f;
+#endif
+        int64_t j = 0;
+#ifdef __AVX512F__
+        const __m512 vs = _mm512_set1_ps(sc);
+        for (; j + 16 <= group; j += 16) {
+            const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g0 + j)));
+            _mm512_storeu_ps(w + g0 + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vs));
+        }
+#endif
+        for (; j < group; j++) w[g0 + j] = (float)q[g0 + j] * sc;
+    }
+}
+
+static float dot_f32(const float *a, const float *b, int64_t k) {
+    int64_t j = 0;
+    float sum = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + 16 <= k; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < k; j++) sum += a[j] * b[j];
+    return sum;
+}
+
+int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, const uint16_t *scales, int64_t n,
+                         int64_t group, float *y, int threads) {
+#ifndef __F16C__
+    return 3;
+#endif
+    if (k % group) return 1;
+    const int64_t groups = k / group;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = (float *)malloc(sizeof(float) * (size_t)k);
+        if (!w) {
+#pragma omp atomic write
+            failed = 2;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                dequant_row_i8(q + r * k, scales + r * groups, k, group, w);
+                for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_f32(w, x + i * k, k);
+            }
+            free(w);
+        }
+    }
+    return failed;
+}

@@ -60,6 +60,9 @@ def _build() -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int]
+    fn8 = lib.pagoda_int8_gemm_f32
+    fn8.restype = ctypes.c_int
+    fn8.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     return lib
 
 
@@ -118,4 +121,32 @@ def native_int4_mm(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, g
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native INT4 kernel failed (code {rc}) for K={k}, group={group}")
+    return y
+
+
+def native_int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, group: int) -> Tensor | None:
+    """``x [M, K] float32 @ (q * block scale).T -> [M, N] float32`` (float16 block scales), or None
+    when the library is unavailable."""
+    lib = library()
+    if lib is None:
+        return None
+    if qweight.dtype != torch.int8 or scales.dtype != torch.float16:
+        raise ValueError(f"expected int8 weights and float16 scales, got {qweight.dtype}, {scales.dtype}")
+    x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.pagoda_int8_gemm_f32(
+        x.data_ptr(),
+        m,
+        k,
+        qweight.data_ptr(),
+        scales.data_ptr(),
+        n,
+        group,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"native INT8 kernel failed (code {rc}) for K={k}, group={group}")
     return y

@@ -1,9 +1,15 @@
-"""Per-output-channel INT8 weights (weight-only): the decode LM head's ``int8`` format.
+"""INT8 weights (weight-only): the decode LM head's ``int8`` format.
 
-Layout: ``qweight`` int8 [N, K], ``scales`` float32 [N]; dequantized weight ``q * scale[n]``.
-The CPU path is torch's ``_weight_int8pack_mm`` (bf16 activations, the fast case on CPUs with
-AVX-512 BF16; float32 activations run ~10x slower there); the reference dequantizes and
-multiplies in float32. On CUDA the reference serves (no Triton kernel yet).
+Two layouts, both ``qweight`` int8 [N, K] with dequantized weight ``q * scale``:
+- per output channel: ``scales`` float32 [N] (``quantize``, round to nearest per row). The CPU path
+  is torch's ``_weight_int8pack_mm`` (bf16 activations, the fast case on CPUs with AVX-512 BF16;
+  float32 activations run ~10x slower there);
+- blocks of ``group_size`` (32) along K: ``scales`` [N, K/32], float16 (GGUF Q8_0's own precision).
+  ``exact_blocks`` recovers them from a float weight that holds such blocks exactly (the built-in
+  model's tied embedding is Q8_0), so the head loses nothing. Float32 activations on the CPU run the
+  native kernel (cpu_int4.c), float32 arithmetic on the exact weights.
+The reference dequantizes and multiplies in float32. On CUDA the reference serves (no Triton kernel
+yet).
 """
 
 from __future__ import annotations
@@ -19,10 +25,31 @@ from .dispatch import record, select_backend
 CPU_COMPUTE_DTYPE = torch.bfloat16
 
 
+Q8_BLOCK = 32  # GGUF Q8_0's block
+
+
 @dataclass(eq=False)
 class Int8Weight:
     qweight: Tensor  # int8 [N, K]
-    scales: Tensor  # float32 [N]
+    scales: Tensor  # float32 [N], or [N, K / group_size] (float16 when exact) for block scales
+    group_size: int | None = None
+
+    @classmethod
+    def exact_blocks(cls, w: Tensor, group: int = Q8_BLOCK) -> Int8Weight | None:
+        """The block layout holding ``w [N, K]`` exactly (each block ``scale * q``, |q| <= 127, the
+        scale a float16), or None when ``w`` is not such a weight (then nothing is lost by asking)."""
+        if w.dim() != 2 or w.shape[1] % group or w.dtype != torch.float32:
+            return None
+        n, k = w.shape
+        wg = w.detach().reshape(n, k // group, group)
+        scale = wg.abs().amax(dim=-1) / 127.0
+        if not torch.equal(scale.half().float(), scale):
+            return None
+        q = torch.where(scale[..., None] > 0, wg / scale.clamp(min=1e-30)[..., None], torch.zeros_like(wg))
+        qr = q.round()
+        if qr.abs().max() > 127 or not torch.equal(qr * scale[..., None], wg):
+            return None
+        return cls(qr.to(torch.int8).reshape(n, k).contiguous(), scale.half().contiguous(), group)
 
     @classmethod
     def quantize(cls, w: Tensor) -> Int8Weight:
@@ -47,7 +74,11 @@ class Int8Weight:
         return self.qweight.nbytes + self.scales.nbytes + getattr(self, "_cpu_scales_nbytes", 0)
 
     def dequantize(self) -> Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        if self.group_size is None:
+            return self.qweight.float() * self.scales[:, None]
+        n, k = self.qweight.shape
+        q = self.qweight.float().reshape(n, k // self.group_size, self.group_size)
+        return (q * self.scales.float()[..., None]).reshape(n, k)
 
     def _cpu_scales(self) -> Tensor:
         cached = getattr(self, "_cpu_scales_t", None)
@@ -64,7 +95,9 @@ def int8_linear(x: Tensor, qw: Int8Weight, backend: str | None = None) -> Tensor
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
     lead, x2 = x.shape[:-1], x.reshape(-1, k)
     be = select_backend(x.device, backend)
-    if be == "cpu" and x.device.type == "cpu":
+    if qw.group_size is not None:
+        out = _blocks_linear(x2, qw, be)
+    elif be == "cpu" and x.device.type == "cpu":
         record("int8_linear", "cpu")
         out = torch.ops.aten._weight_int8pack_mm(
             x2.to(CPU_COMPUTE_DTYPE).contiguous(), qw.qweight, qw._cpu_scales()
@@ -73,3 +106,16 @@ def int8_linear(x: Tensor, qw: Int8Weight, backend: str | None = None) -> Tensor
         record("int8_linear", "reference")
         out = F.linear(x2.float(), qw.dequantize())
     return out.to(x.dtype).reshape(*lead, qw.out_features)
+
+
+def _blocks_linear(x2: Tensor, qw: Int8Weight, be: str) -> Tensor:
+    """Block scales: the native float32 kernel on the CPU, else the reference."""
+    if be == "cpu" and x2.device.type == "cpu" and x2.dtype == torch.float32:
+        from .cpu_int4_native import native_int8_mm
+
+        out = native_int8_mm(x2, qw.qweight, qw.scales, qw.group_size)
+        if out is not None:
+            record("int8_linear", "cpu")
+            return out
+    record("int8_linear", "reference")
+    return F.linear(x2.float(), qw.dequantize())

@@ -190,5 +190,7 @@ def make_linear_weight(
     if fmt == "int8":
         if bias is not None:
             raise ValueError("the int8 format (a decode LM head) takes no bias")
-        return Int8Linear(Int8Weight.quantize(w), dtype, backend)
+        # lossless when the weight holds int8 blocks (GGUF Q8_0), else rounded per row
+        exact = Int8Weight.exact_blocks(w) if dtype == torch.float32 else None
+        return Int8Linear(exact or Int8Weight.quantize(w), dtype, backend)
     raise ValueError(f"unknown weight format {fmt!r}; accepted formats: {', '.join(FORMATS)}")

@@ -1,4 +1,5 @@
-"""Per-row INT8 weights (the decode LM head's int8 format): quantization and both paths."""
+"""INT8 weights (the decode LM head's int8 format): per-row quantization and both paths; exact
+Q8_0-style blocks recovered from a float weight, and the native float32 kernel over them."""
 
 from __future__ import annotations
 
@@ -39,3 +40,50 @@ def test_linear_factory_int8_counts_bytes():
     assert lin.fmt == "int8" and lin.nbytes == 32 * 64 + 32 * 4
     lin.apply(torch.randn(2, 64))
     assert lin.nbytes == 32 * 64 + 32 * 4 + 32 * 2  # + the bf16 scales the CPU path keeps
+
+
+def q8_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A float32 weight made of GGUF Q8_0 blocks: float16 scale times int8 in [-127, 127], one
+    value of each block at +-127 (as llama.cpp's quantizer leaves it)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-126, 127, (n, k // 32, 32), generator=gen).float()
+    q[..., 0] = torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, -127.0, 127.0)
+    d = (torch.rand(n, k // 32, generator=gen) * 1e-2 + 1e-4).half().float()
+    d[0, 0] = 0.0  # an all-zero block
+    q[0, 0] = 0.0
+    return (q * d[..., None]).reshape(n, k)
+
+
+def test_exact_blocks_hold_q8_0_weights_and_refuse_others():
+    w = q8_blocks(48, 96)
+    qw = Int8Weight.exact_blocks(w)
+    assert qw is not None and qw.group_size == 32 and qw.scales.dtype == torch.float16
+    assert qw.scales.shape == (48, 3) and torch.equal(qw.dequantize(), w)
+    assert Int8Weight.exact_blocks(torch.randn(48, 96)) is None  # not blocks: nothing claimed
+    assert Int8Weight.exact_blocks(w[:, :40]) is None  # K not a multiple of the block
+    lin = make_linear_weight(w, "int8", torch.float32)
+    assert lin.weight.group_size == 32 and lin.nbytes == 48 * 96 + 48 * 3 * 2
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_native_block_kernel_matches_the_float32_weights(m):
+    w = q8_blocks(64, 160, seed=m)
+    qw = Int8Weight.exact_blocks(w)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+    out = int8_linear(x, qw, backend="cpu")
+    ref = x @ w.t()
+    assert out.dtype == torch.float32 and out.shape == (m, 64)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # float32 arithmetic, exact weights
+    torch.testing.assert_close(int8_linear(x, qw, backend="reference"), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_builtin_int8_head_is_its_q8_0_embedding(make_engine):
+    """The built-in model's tied embedding is GGUF Q8_0: the int8 head holds it exactly."""
+    dense = make_engine(kv_memory=16 << 20)
+    int8 = make_engine(kv_memory=16 << 20, decode_lm_head="int8")
+    head = int8.model.lm_head.by_phase["decode"].weight
+    assert head.group_size == 32 and torch.equal(head.dequantize(), dense.model.embed)
+    ids = dense.tokenize("The capital of France is Paris, and the capital of Italy is")
+    a, b = dense.score(ids, phase="decode"), int8.score(ids, phase="decode")
+    assert (a - b).abs().max().item() < 1e-3  # the same weights; only the summation order differs
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
