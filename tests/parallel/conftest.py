@@ -123,10 +123,42 @@ def tiny_model_dir(tmp_path_factory, builtin_tokenizer):
     return get
 
 
-def run_generate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``pagoda generate --json ARGS`` in a fresh process (one line of JSON per prompt on stdout)."""
+_RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_generate():
+    """A test that fails before reading its ``pagoda generate`` leaves no process behind."""
+    yield
+    while _RUNNING:
+        proc = _RUNNING.pop()
+        if proc.poll() is None:
+            proc.terminate()  # rank 0; the rank it started exits when the group is lost
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def start_generate(*args: str) -> subprocess.Popen:
+    """``pagoda generate --json ARGS`` in a fresh process (one line of JSON per prompt on stdout),
+    started now so that the caller's own work overlaps its start-up."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PAGODA_NODE_RANK"):
         env.pop(name, None)  # a single-host replica: Pagoda starts its ranks itself
     cmd = [sys.executable, "-m", "pagoda.node_agent.cli.main", "generate", "--json", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _RUNNING.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a started process; killed (and the test failed) past ``timeout``."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"pagoda generate did not finish within {timeout}s: {err[-3000:]}")
+    return proc.returncode, out, err

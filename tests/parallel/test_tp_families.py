@@ -20,7 +20,7 @@ from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.parallel import make_plan
 
 from ..engine.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
-from .conftest import run_generate
+from .conftest import finish, start_generate
 
 FAMILIES = ["llama", "llama_kv1", "qwen3", "qwen2", "qwen3_moe", "glm4_moe", "deepseek_v3"]
 PROMPTS = [
@@ -34,6 +34,17 @@ TINY_KV = "16MiB"
 # The formats a run uses: the defaults (auto is float32 on the CPU: FP8 prefill weights, INT4 decode
 # weights, bf16 prefill KV, FP8 decode KV) or float32's reference formats (dense weights and KV).
 FORMATS = {"default": [], "reference": ["--dtype", "float32"]}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The one-rank references run on one thread, like each of the two ranks (Pagoda gives each CPU
+    rank its share of the cores): on a busy 2-core machine a second thread mostly spins (8 prompts
+    of the built-in model: 45 s with 2 threads, 7.5 s with 1, under a load of 3)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _engine_config(model: str, formats: str, kv: str, **kw) -> EngineConfig:
@@ -56,17 +67,23 @@ def _tp1(model: str, formats: str, prompts: list[str], n: int, kv: str = TINY_KV
     return [{"token_ids": final[r].token_ids, "finish_reason": final[r].finish_reason} for r in rids]
 
 
-def _tp2(model: str, formats: str, prompts: list[str], n: int, kv: str = TINY_KV, *extra: str) -> list[dict]:
-    """Two ranks: ``pagoda generate --tensor-parallel 2`` in a fresh process."""
+def _tp2(model: str, formats: str, prompts: list[str], n: int, kv: str = TINY_KV, *extra: str):
+    """Two ranks: ``pagoda generate --tensor-parallel 2``, started in a fresh process; calling the
+    returned function waits for its outputs."""
     args = ["--model", model, "--tensor-parallel", "2", "--kv-memory", kv, "--max-tokens", str(n)]
     args += FORMATS[formats] + list(extra)
     for p in prompts:
         args += ["--prompt", p]
-    done = run_generate(*args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [o["prompt"] for o in lines] == prompts
-    return [{"token_ids": o["token_ids"], "finish_reason": o["finish_reason"]} for o in lines]
+    proc = start_generate(*args)
+
+    def outputs() -> list[dict]:
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert [o["prompt"] for o in lines] == prompts
+        return [{"token_ids": o["token_ids"], "finish_reason": o["finish_reason"]} for o in lines]
+
+    return outputs
 
 
 @pytest.mark.slow
@@ -74,10 +91,11 @@ def _tp2(model: str, formats: str, prompts: list[str], n: int, kv: str = TINY_KV
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_equal_one_rank(tiny_model_dir, family, formats):
     path = str(tiny_model_dir(family))
+    got = _tp2(path, formats, PROMPTS, NEW_TOKENS)  # runs while one rank runs here
     want = _tp1(path, formats, PROMPTS, NEW_TOKENS)
     # no random token stops these prompts early: all 16 tokens of every prompt are compared
     assert [o["finish_reason"] for o in want] == ["length"] * len(PROMPTS)
-    got = _tp2(path, formats, PROMPTS, NEW_TOKENS)
+    got = got()
     for p, g, w in zip(PROMPTS, got, want, strict=True):
         assert g == w, f"{family} ({formats}) {p!r}: 2 ranks {g['token_ids']} != 1 rank {w['token_ids']}"
 
@@ -86,13 +104,14 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, family, formats):
 def test_builtin_model_two_ranks_equal_one_rank(make_engine, builtin_tokenizer):
     """The transformers-equivalence prompts (4 chat, 4 plain; 32 tokens) in the default formats, in one
     ``pagoda generate`` run: the chat prompts go in already rendered by the chat template."""
-    engine = make_engine(formats=PhaseFormats(), kv_memory=64 << 20)
     rendered = [
         builtin_tokenizer._tok.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
         )
         for p in CHAT_PROMPTS
     ]
+    got = _tp2("builtin://smollm2-135m", "default", rendered + PLAIN_PROMPTS, 32, "64MiB")
+    engine = make_engine(formats=PhaseFormats(), kv_memory=64 << 20)
     # the rendered text is the prompt --chat (and the transformers-equivalence test) gives the model
     assert [engine.tokenize(r) for r in rendered] == [engine.tokenize(p, chat=True) for p in CHAT_PROMPTS]
     params = SamplingParams(max_tokens=32, temperature=0.0)
@@ -100,8 +119,7 @@ def test_builtin_model_two_ranks_equal_one_rank(make_engine, builtin_tokenizer):
     final = engine.run_until_done()
     want = [{"token_ids": final[r].token_ids, "finish_reason": final[r].finish_reason} for r in rids]
     assert sum(len(o["token_ids"]) for o in want) >= 8 * 16  # most prompts run the full 32 tokens
-    got = _tp2("builtin://smollm2-135m", "default", rendered + PLAIN_PROMPTS, 32, "64MiB")
-    for p, g, w in zip(CHAT_PROMPTS + PLAIN_PROMPTS, got, want, strict=True):
+    for p, g, w in zip(CHAT_PROMPTS + PLAIN_PROMPTS, got(), want, strict=True):
         assert g == w, f"{p!r}: 2 ranks {g} != 1 rank {w}"
 
 
@@ -173,9 +191,10 @@ def test_mlp_width_split_inside_an_int4_group_is_refused(narrow):
 @pytest.mark.slow
 def test_two_ranks_with_a_fitting_int4_group_equal_one_rank(narrow):
     path, _ = narrow
+    got = _tp2(str(path), "default", PROMPTS[:2], NEW_TOKENS, TINY_KV, "--int4-group-size", "64")
     want = _tp1(str(path), "default", PROMPTS[:2], NEW_TOKENS, int4_group_size=64)
     assert [o["finish_reason"] for o in want] == ["length"] * 2
-    assert _tp2(str(path), "default", PROMPTS[:2], NEW_TOKENS, TINY_KV, "--int4-group-size", "64") == want
+    assert got() == want
 
 
 # ------------------------------------------------------------------ MLA's scheme
