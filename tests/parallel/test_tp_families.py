@@ -223,3 +223,17 @@ def test_mla_ranks_split_query_heads_and_keep_the_whole_latent(tiny_model_dir):
         assert torch.equal(mla.o_proj.by_phase["decode"].weight, o_proj[:, cols])
         kv_a = loaded.weights[p + "kv_a_proj_with_mqa.weight"]
         assert torch.equal(mla.kv_a_proj.by_phase["decode"].weight, kv_a)  # the latent: every rank
+
+
+def test_fewer_kv_heads_than_ranks_replicate_the_kv_head(tiny_model_dir):
+    """One KV head over 2 ranks: both ranks hold it (K and V rows whole) and split its 4 query heads."""
+    from pagoda.node_agent.models.loader import load_model
+
+    loaded = load_model(str(tiny_model_dir("llama_kv1")))
+    w, p, d = loaded.weights, "model.layers.0.self_attn.", loaded.config.head_dim
+    for rank in (0, 1):
+        model = _build_rank(loaded, rank, dtype="float32", formats=PhaseFormats.reference())
+        assert (model.cfg.num_heads, model.cfg.num_kv_heads) == (2, 1)
+        q = w[p + "q_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d]
+        want = torch.cat([q, w[p + "k_proj.weight"], w[p + "v_proj.weight"]])
+        assert torch.equal(model.layers[0].qkv_proj.by_phase["decode"].weight, want)
