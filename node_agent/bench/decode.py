@@ -41,7 +41,8 @@ LLAMACPP_INSTALL = (
     "it builds llama.cpp from source, about 8 minutes on 2 cores"
 )
 TP1 = "pagoda-tp1"  # the same engine on one rank: the baseline of --tensor-parallel > 1
-BASELINES = ("transformers", LLAMACPP, TP1)
+DENSE_HEAD = "pagoda-dense-head"  # the same engine with a dense decode LM head
+BASELINES = ("transformers", LLAMACPP, TP1, DENSE_HEAD)
 # the done-when: (name, pagoda concurrency, baseline, baseline concurrency, target)
 TARGETS = (
     ("pagoda_c1_vs_llamacpp_single_stream", 1, LLAMACPP, 1, 0.5),
@@ -230,6 +231,9 @@ def bench_decode(
         if TP1 in baselines
         else None
     )
+    if DENSE_HEAD in baselines and (tp > 1 or cfg.decode_lm_head == "dense"):
+        raise ValueError(f"the {DENSE_HEAD} baseline compares a packed --decode-lm-head, on one rank")
+    dense_head = make(decode_lm_head="dense") if DENSE_HEAD in baselines else None
     if LLAMACPP in baselines:
         why = llamacpp_unavailable(cfg.model)
         if why:
@@ -257,6 +261,14 @@ def bench_decode(
                 warm=lambda p=prompts: with_threads(rank_threads, run_pagoda_decode, engine, p(-1), 2),
             )
         )
+        if dense_head is not None:
+            variants.append(
+                Variant(
+                    f"{DENSE_HEAD} c{c}",
+                    lambda r, p=prompts: run_pagoda_decode(dense_head, p(r), max_tokens),
+                    warm=lambda p=prompts: run_pagoda_decode(dense_head, p(-1), 2),
+                )
+            )
         if tp1 is not None:
             variants.append(
                 Variant(
@@ -281,7 +293,7 @@ def bench_decode(
     for v in variants:
         name, c = v.name.rsplit(" c", 1)
         extra = {"single_stream": True} if name == LLAMACPP else {}
-        if name in ("pagoda", TP1):
+        if name in ("pagoda", TP1, DENSE_HEAD):
             extra["window_steps"] = min(x["window_steps"] for x in runs[v.name])
         rows.append(_row(name, int(c), runs[v.name], **extra))
     log(f"{'engine':<14}{'conc':>6}{'decode tok/s':>14}{'min-max':>18}{'TTFT s':>10}")
@@ -294,8 +306,13 @@ def bench_decode(
     ratios: dict[str, dict] = {"pagoda_vs_transformers": {}, "pagoda_vs_llamacpp_single_stream": {}}
     if tp1 is not None:
         ratios["pagoda_vs_pagoda_tp1"] = {}
+    if dense_head is not None:
+        ratios["pagoda_vs_pagoda_dense_head"] = {}
     for c in concurrency:
         p = [x["decode_tok_s"] for x in runs[f"pagoda c{c}"]]
+        if dense_head is not None:
+            d = [x["decode_tok_s"] for x in runs[f"{DENSE_HEAD} c{c}"]]
+            ratios["pagoda_vs_pagoda_dense_head"][f"c{c}"] = paired_ratio(p, d)
         if tp1 is not None:
             ratios["pagoda_vs_pagoda_tp1"][f"c{c}"] = paired_ratio(
                 p, [x["decode_tok_s"] for x in runs[f"{TP1} c{c}"]]

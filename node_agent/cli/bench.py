@@ -160,7 +160,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--baselines",
         type=parse_name_list,
         default=None,
-        help="transformers,llama.cpp,pagoda-tp1 (default: transformers,llama.cpp; with "
+        help="transformers,llama.cpp,pagoda-tp1,pagoda-dense-head (default: transformers,llama.cpp; with "
         "--tensor-parallel > 1: pagoda-tp1, the same engine on one rank)",
     )
     d.add_argument("--no-baseline", action="store_true", help="no baselines (Pagoda alone)")

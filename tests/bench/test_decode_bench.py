@@ -101,3 +101,22 @@ def test_llamacpp_needs_a_gguf_source(tmp_path) -> None:
 def test_unknown_baseline_is_refused(capsys) -> None:
     assert main(["bench", "decode", "--baselines", "vllm", "--concurrency", "1"]) == 2
     assert "unknown baseline(s) ['vllm']" in capsys.readouterr().err
+
+
+def test_dense_head_baseline_compares_a_packed_head(no_reload) -> None:
+    import dataclasses
+
+    from pagoda.node_agent.bench.decode import DENSE_HEAD
+
+    cfg = dataclasses.replace(QUICK, decode_lm_head="int8")
+    res = bench_decode(
+        cfg, [2], max_tokens=3, baselines=(DENSE_HEAD,), repeats=2, threads=1, log=lambda _: None
+    )
+    rows = {(r["engine"], r["concurrency"]): r for r in res["rows"]}
+    assert set(rows) == {("pagoda", 2), (DENSE_HEAD, 2)}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["decode_tok_s"] > 0
+        check_spread(row, "decode_tok_s", 2)
+    check_ratio(res["ratios"]["pagoda_vs_pagoda_dense_head"]["c2"], 2)
+    with pytest.raises(ValueError, match="packed --decode-lm-head"):
+        bench_decode(QUICK, [1], max_tokens=2, baselines=(DENSE_HEAD,), repeats=1, log=lambda _: None)
