@@ -2,7 +2,8 @@
 (two gloo ranks on the CPU, started by Pagoda) gives the same greedy tokens as one rank, for tiny
 random-weight Llama (GQA and a single replicated KV head), Qwen3, Qwen2, Qwen3-MoE, GLM-4.5 MoE and
 DeepSeek-V3 (MLA) models and for the built-in model, in the default formats and in the float32
-reference formats; and a column split inside an INT4 group is refused at load, naming the group."""
+reference formats. Built in this process: each rank's slice of MLA (whole latent, split query heads)
+and of a single KV head (replicated), and a column split inside an INT4 group refused at load."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
+from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats, parse_bytes
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models.config import ModelLoadError
@@ -50,8 +51,6 @@ def _one_thread():
 def _engine_config(model: str, formats: str, kv: str, **kw) -> EngineConfig:
     if formats == "reference":
         kw.update(dtype="float32", formats=PhaseFormats.reference())
-    from pagoda.node_agent.engine.config import parse_bytes
-
     return EngineConfig(model=model, kv_memory=parse_bytes(kv), **kw)
 
 
