@@ -6,8 +6,8 @@ Where the ranks meet (first match wins):
   that rank at ``MASTER_ADDR:MASTER_PORT``; start nothing;
 - otherwise this process is the first rank of its host: host index from ``PAGODA_NODE_RANK``,
   ``NODE_RANK`` or ``LWS_WORKER_INDEX`` (LeaderWorkerSet), rank 0's address from ``--dist-addr``,
-  ``MASTER_ADDR`` or ``LWS_LEADER_ADDRESS``, its port from ``--dist-port`` or ``MASTER_PORT`` (a free
-  local port on a single host); it starts the host's other ``tensor_parallel / nodes`` - 1 ranks as
+  ``MASTER_ADDR`` or ``LWS_LEADER_ADDRESS``, its port from ``--dist-port`` or ``MASTER_PORT`` (on a
+  single host, else a free port rank 0's store binds before the other ranks are started); it starts the host's other ``tensor_parallel / nodes`` - 1 ranks as
   child processes and joins as ``host index * ranks per host``.
 
 Groups: a gloo "control" group that carries each step's instructions (a worker waits on it between
@@ -25,7 +25,6 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,12 +66,6 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rendezvous(pc: ParallelConfig) -> Rendezvous:
     """This process's rank and the ranks it must start, from the config and the environment."""
     world = pc.tensor_parallel
@@ -90,7 +83,7 @@ def rendezvous(pc: ParallelConfig) -> Rendezvous:
         raise ValueError(f"host index {node} is outside a replica of {pc.nodes} hosts")
     if pc.nodes == 1:
         addr = pc.dist_addr or "127.0.0.1"
-        port = pc.dist_port or _env_int("MASTER_PORT") or free_port()
+        port = pc.dist_port or _env_int("MASTER_PORT") or 0  # 0: the store binds a free port
     else:
         addr = pc.dist_addr or os.environ.get("MASTER_ADDR") or os.environ.get("LWS_LEADER_ADDRESS") or ""
         if not addr:
@@ -119,6 +112,14 @@ class ParallelGroup:
         rv = rendezvous(pc)
         self.rank, self.world = rv.rank, rv.world
         self.children: dict[int, mp.process.BaseProcess] = {}
+        store_timeout = datetime.timedelta(seconds=max(self.timeout_s, 300))
+        if rv.rank == 0:  # the rendezvous store first: its port is bound before any rank is told it
+            self.store = dist.TCPStore(
+                rv.addr, rv.port, rv.world, is_master=True, timeout=store_timeout, wait_for_workers=False
+            )
+            rv.port = self.store.port
+        else:
+            self.store = None
         if rv.local_ranks:
             ctx = mp.get_context("spawn")
             for r in rv.local_ranks:
@@ -139,13 +140,9 @@ class ParallelGroup:
             raise
 
     def _init(self, config: EngineConfig, rv: Rendezvous) -> None:
-        self.store = dist.TCPStore(
-            rv.addr,
-            rv.port,
-            rv.world,
-            is_master=rv.rank == 0,
-            timeout=datetime.timedelta(seconds=max(self.timeout_s, 300)),
-        )
+        if self.store is None:
+            timeout = datetime.timedelta(seconds=max(self.timeout_s, 300))
+            self.store = dist.TCPStore(rv.addr, rv.port, rv.world, is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
             store=self.store,

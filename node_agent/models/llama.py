@@ -5,6 +5,8 @@ one weight format per phase."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +38,7 @@ def _to_device(v, device: torch.device):
     """A tensor, or a fresh copy of a prequantized weight (never mutating the loaded one), on device."""
     if isinstance(v, ColumnShard):
         amax = None if v.row_amax is None else v.row_amax.to(device)
-        return ColumnShard(_to_device(v.weight, device), v.full_in, amax)
+        return dataclasses.replace(v, weight=_to_device(v.weight, device), row_amax=amax)
     if isinstance(v, Int4Weight):
         return Int4Weight.from_state({k: t.to(device) for k, t in v.state().items()}, v.meta())
     if isinstance(v, Fp8Weight):
@@ -193,7 +195,8 @@ class LlamaForCausalLM:
         w = {k: _to_device(v, device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
         self.layers = [
-            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size, tp) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size, tp)
+            for i in range(cfg.num_layers)
         ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
@@ -207,7 +210,11 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def hidden(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
         """Run every layer (writing KV into the pool); returns the last hidden states [T, hidden]."""
-        x = F.embedding(b.input_ids, self.embed) if self.tp is None else self.tp.embed(b.input_ids, self.embed)
+        x = (
+            F.embedding(b.input_ids, self.embed)
+            if self.tp is None
+            else self.tp.embed(b.input_ids, self.embed)
+        )
         cos, sin = self.cos[b.positions], self.sin[b.positions]
         for layer in self.layers:
             x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
