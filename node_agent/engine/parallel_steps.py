@@ -6,7 +6,7 @@ control group) is a fixed int64 header and an int64 body; no object is ever unpi
 - every instruction first carries the pages rank 0 allocated since the last one, per pool, so each
   rank moves its own generation tags on in the same order (a rank's tag table is its own);
 - CHECK: the step's block tables and expected tags; every rank compares them with its tag table
-  and the ranks vote (max of rank + 1 over the data group), so a mismatch found on any rank fails
+  and the ranks vote (max of rank + 1 over the cpu group), so a mismatch found on any rank fails
   the request on all of them;
 - STEP: the batch tensors (tokens, positions, slots, block tables, lengths, logit rows); every rank
   runs its slice of the model, rank 0 samples from the gathered logits;
@@ -33,6 +33,7 @@ from pagoda.node_agent.engine.handoff import convert_into, extract_pages
 from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
 from pagoda.node_agent.models.batch import StepBatch
+from pagoda.node_agent.models.parallel import reduce_cpu
 
 log = logging.getLogger("pagoda.parallel")
 
@@ -167,7 +168,7 @@ class ParallelDriver:
 
     def _vote_args(self, op: Op, local: torch.Tensor, body, args) -> torch.Tensor:
         self._send(op, body, args)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group.cpu)
+        _vote(local, self.group)
         return local
 
     def run_model(self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None, logits: bool):
@@ -274,8 +275,13 @@ def _split_by_head(pool: KVPagePool) -> bool:
     return "latent" not in pool.components
 
 
+def _vote(local: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    """The elementwise maximum of ``local`` over the ranks (in place)."""
+    return reduce_cpu(local, group.rank, group.world, group.cpu, torch.maximum)
+
+
 def _barrier(group: ParallelGroup) -> None:
-    dist.all_reduce(torch.zeros(1, dtype=torch.long), group=group.cpu)
+    _vote(torch.zeros(1, dtype=torch.long), group)
 
 
 def _slice_heads(layers, scales, heads):
@@ -451,9 +457,8 @@ class Follower:
         return flat[at:]
 
     def _carry_out(self, op: Op, args: list[int], body: torch.Tensor) -> None:
-        data = self.group.cpu
         if op == Op.NOOP:
-            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+            _vote(torch.zeros(1, dtype=torch.long), self.group)
         elif op == Op.CHECK:
             pool, b, w = self.pools.get(args[0]), args[1], args[2]
             self._check_sizes(body, 2 * b * w + b)
@@ -468,7 +473,7 @@ class Follower:
                 pages.to(dev), tags.to(dev), counts.to(dev), pool.tag_table, backend=self.backend
             )
             vote = mask.cpu().long() * (self.group.rank + 1)
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=data)
+            _vote(vote, self.group)
         elif op == Op.STEP:
             self._step(args, body)
         elif op == Op.MIGRATE:
@@ -479,7 +484,7 @@ class Follower:
             self._check_pages(src, body[:n])
             self._check_pages(dst, body[n:])
             convert_into(dst, dst_refs, src.layers, src.static_scales, src_idx, self.backend)
-            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+            _vote(torch.zeros(1, dtype=torch.long), self.group)
         elif op == Op.GATHER:
             pool, n = self.pools.get(args[0]), args[1]
             self._check_sizes(body, n)
@@ -503,7 +508,7 @@ class Follower:
             if rank == self.group.rank:
                 self._check_pages(pool, body)
                 pool.bump_tags([int(body[0])])
-            dist.all_reduce(torch.zeros(1, dtype=torch.long), op=dist.ReduceOp.MAX, group=data)
+            _vote(torch.zeros(1, dtype=torch.long), self.group)
         else:
             raise ValueError(f"unknown instruction {op}")
 
