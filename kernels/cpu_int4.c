@@ -143,16 +143,23 @@ static void dequant_row_i8(const int8_t *q, const uint16_t *s, int64_t k, int64_
     }
 }
 
-static float dot_f32(const float *a, const float *b, int64_t k) {
+/* out[i * stride] = sum_j w[j] * x[i * k + j] for the rows i < rows (at most 4) of x: four rows
+ * share each load of the weights. */
+static void dot4_f32(const float *w, const float *x, int64_t k, int rows, float *out, int64_t stride) {
     int64_t j = 0;
-    float sum = 0.0f;
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #ifdef __AVX512F__
-    __m512 acc = _mm512_setzero_ps();
-    for (; j + 16 <= k; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-    sum = _mm512_reduce_add_ps(acc);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; j + 16 <= k; j += 16) {
+        const __m512 a = _mm512_loadu_ps(w + j);
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * k + j), acc[i]);
+    }
+    for (int i = 0; i < rows; i++) sum[i] = _mm512_reduce_add_ps(acc[i]);
 #endif
-    for (; j < k; j++) sum += a[j] * b[j];
-    return sum;
+    for (int i = 0; i < rows; i++) {
+        for (int64_t t = j; t < k; t++) sum[i] += w[t] * x[i * k + t];
+        out[i * stride] = sum[i];
+    }
 }
 
 int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, const uint16_t *scales, int64_t n,
@@ -173,7 +180,8 @@ int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, 
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
                 dequant_row_i8(q + r * k, scales + r * groups, k, group, w);
-                for (int64_t i = 0; i < m; i++) y[i * n + r] = dot_f32(w, x + i * k, k);
+                for (int64_t i = 0; i < m; i += 4)
+                    dot4_f32(w, x + i * k, k, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
             }
             free(w);
         }
