@@ -102,7 +102,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
         help="rank 0's host (default: $MASTER_ADDR, $LWS_LEADER_ADDRESS; localhost on one host)",
     )
     p.add_argument(
-        "--dist-port", type=int, default=None, help="rank 0's rendezvous port (default: $MASTER_PORT or 29500)"
+        "--dist-port",
+        type=int,
+        default=None,
+        help="rank 0's rendezvous port (default: $MASTER_PORT or 29500)",
     )
     p.add_argument(
         "--dist-timeout",
