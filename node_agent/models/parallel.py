@@ -336,11 +336,6 @@ def _expert_slice(name: str, w, experts: Range) -> tuple[object | None, str]:
     return w, name
 
 
-def column_group(w: object, preferred: int | None) -> int | None:
-    """The INT4 group a (possibly column-sharded) weight is quantized with (None: the default)."""
-    return w.int4_group(preferred) if isinstance(w, ColumnShard) else preferred
-
-
 def mlp_units(weights: dict[str, object], cfg: ModelConfig, formats: set[str], preferred: int | None):
     """(dense MLP unit, shared-experts unit): the INT4 group each down_proj's columns must keep."""
     dense = shared = 1
