@@ -151,8 +151,16 @@ def test_a_server_exits_non_zero_when_a_rank_dies_or_hangs(tmp_path, how):
         time.sleep(3)  # the stream is under way
         os.kill(pids[0], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         t0 = time.monotonic()
-        code = proc.wait(timeout=EXIT_BOUND_S)
+        readiness = set()
+        while proc.poll() is None and time.monotonic() - t0 < EXIT_BOUND_S:
+            try:
+                readiness.add(httpx.get(url + "/ready", timeout=1).status_code)
+            except httpx.HTTPError:
+                pass  # exiting
+            time.sleep(0.02)
+        code = proc.wait(timeout=5)
         waited = time.monotonic() - t0
+        assert 503 in readiness  # it reported not ready before it exited
         t.join(timeout=30)
         assert code == 3
         assert out["ended"] != "finished" and out["text"], out  # tokens came, then an error, no hang
