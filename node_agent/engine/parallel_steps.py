@@ -159,14 +159,11 @@ class ParallelDriver:
         body = torch.cat(
             [pages.reshape(-1).long().cpu(), tags.reshape(-1).long().cpu(), torch.tensor(counts)]
         )
-        out = self._guard(
-            lambda: self._vote_args(
-                Op.CHECK, torch.zeros(b, dtype=torch.long), body, (self.pools.index(pool), b, w)
-            )
-        )
-        return out.tolist()
+        args = (self.pools.index(pool), b, w)
+        return self._guard(self._vote_args, Op.CHECK, torch.zeros(b, dtype=torch.long), body, args).tolist()
 
     def _vote_args(self, op: Op, local: torch.Tensor, body, args) -> torch.Tensor:
+        """Send an instruction, then take the ranks' vote on it (``local``: this rank's, in place)."""
         self._send(op, body, args)
         _vote(local, self.group)
         return local
@@ -201,7 +198,7 @@ class ParallelDriver:
         """The other ranks copy the same pages between their pools (rank 0 copies its own)."""
         body = [r.page for r in src_refs] + [r.page for r in dst_refs]
         args = (self.pools.index(src), self.pools.index(dst), len(src_refs))
-        self._guard(lambda: self._vote_args(Op.MIGRATE, torch.zeros(1, dtype=torch.long), body, args))
+        self._guard(self._vote_args, Op.MIGRATE, torch.zeros(1, dtype=torch.long), body, args)
 
     def gather_pages(self, pool: KVPagePool, refs: list[PageRef]):
         """(layers, static scales) of ``refs`` with every rank's heads, as one rank would hold them."""
@@ -252,11 +249,8 @@ class ParallelDriver:
 
     def drift_tag(self, rank: int, pool: KVPagePool, page: int) -> None:
         """Test only: rank ``rank`` moves its own tag of ``page`` on, as a missed reallocation would."""
-        self._guard(
-            lambda: self._vote_args(
-                Op.FAULT, torch.zeros(1, dtype=torch.long), [page], (self.pools.index(pool), rank)
-            )
-        )
+        args = (self.pools.index(pool), rank)
+        self._guard(self._vote_args, Op.FAULT, torch.zeros(1, dtype=torch.long), [page], args)
 
     def stop(self) -> None:
         if self.failed:
