@@ -1,4 +1,5 @@
-"""The float32 INT4 GEMM of ``cpu_int4.c``: built once per machine with the system C compiler and
+"""Pagoda's native CPU kernels (the float32 INT4 and INT8 GEMMs of ``cpu_int4.c``, and every other
+source in ``SOURCES``): one shared object, built once per machine with the system C compiler and
 called through ctypes.
 
 ``native_int4_mm`` returns None when the library cannot be built or loaded (no compiler, a build
@@ -25,7 +26,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagoda.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_int4.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_int4.c",))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -38,7 +39,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL:
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -50,7 +51,7 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             proc = subprocess.run(
-                [cc, *FLAGS, str(SOURCE), "-o", str(tmp_out)], capture_output=True, text=True, timeout=120
+                [cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp_out)], capture_output=True, text=True, timeout=120
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
