@@ -15,6 +15,10 @@
 #include <immintrin.h>
 #endif
 
+#ifndef FUSED_MAX_M
+#define FUSED_MAX_M 16
+#endif
+
 /* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
 static inline float param(const void *p, int64_t i, int half) {
 #ifdef __F16C__
@@ -76,6 +80,48 @@ static void dot_rows(const float *we, const float *wo, const float *xe, const fl
     }
 }
 
+#ifdef __AVX512F__
+/* out[i * stride] = row r of W . x[i] for R rows of x (R <= 8), dequantizing as the reference does
+ * (q * scale, then + offset: two roundings) straight into registers: each dequantized vector of 16
+ * weights feeds R accumulators and is never stored. Needs group % 32 == 0. */
+#define DEFINE_FUSED_ROWS(R)                                                                          \
+    static void fused_rows_##R(const uint8_t *p, const void *s, const void *o, int half, int64_t k,    \
+                               int64_t group, const float *xe, const float *xo, int64_t h, float *out, \
+                               int64_t stride) {                                                     \
+        __m512 acc[R];                                                                                \
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                   \
+        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);    \
+        const __m128i low = _mm_set1_epi8(15);                                                       \
+        for (int64_t g0 = 0; g0 < k; g0 += group) {                                                  \
+            const __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g0 / group, half))), \
+                                               _mm512_set1_ps(param(o, g0 / group, half)));          \
+            for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {                                \
+                const __m128i b = _mm_loadu_si128((const __m128i *)(p + j));                         \
+                const __m512 we = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)), table); \
+                const __m512 wo = _mm512_permutexvar_ps(                                             \
+                    _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)), table);          \
+                for (int i = 0; i < R; i++) {                                                        \
+                    acc[i] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe + i * h + j), acc[i]);           \
+                    acc[i] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo + i * h + j), acc[i]);           \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int i = 0; i < R; i++) out[i * stride] = _mm512_reduce_add_ps(acc[i]);                 \
+    }
+DEFINE_FUSED_ROWS(1)
+DEFINE_FUSED_ROWS(2)
+DEFINE_FUSED_ROWS(3)
+DEFINE_FUSED_ROWS(4)
+DEFINE_FUSED_ROWS(5)
+DEFINE_FUSED_ROWS(6)
+DEFINE_FUSED_ROWS(7)
+DEFINE_FUSED_ROWS(8)
+typedef void (*fused_fn)(const uint8_t *, const void *, const void *, int, int64_t, int64_t, const float *,
+                         const float *, int64_t, float *, int64_t);
+static const fused_fn FUSED[9] = {0,           fused_rows_1, fused_rows_2, fused_rows_3, fused_rows_4,
+                                  fused_rows_5, fused_rows_6, fused_rows_7, fused_rows_8};
+#endif
+
 int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
                          const void *offsets, int half, int64_t n, int64_t group, float *y, int threads) {
     if (k % group || group % 2) return 1;
@@ -96,6 +142,24 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
             xo[i * h + j] = x[i * k + 2 * j + 1];
         }
     int failed = 0;
+#ifdef __AVX512F__
+    /* a few rows of x: dequantize into registers (each row of W once per 8 rows of x) */
+    if (group % 32 == 0 && m <= FUSED_MAX_M) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t at = r * groups * (half ? 2 : 4);
+            for (int64_t i = 0; i < m;) {
+                const int rows = m - i < 8 ? (int)(m - i) : 8;
+                FUSED[rows](packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group,
+                            xe + i * h, xo + i * h, h, y + i * n + r, n);
+                i += rows;
+            }
+        }
+        free(xe);
+        free(xo);
+        return 0;
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         float *w = (float *)malloc(sizeof(float) * (size_t)k);

@@ -202,7 +202,7 @@ def test_triton_int4_float_zero(m):
     torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("m", [1, 5, 9, 16, 17])  # fused (<= 16 rows, blocks of 8) and buffered
 @pytest.mark.parametrize("g,sym", [(32, False), (64, True), (128, False)])
 def test_native_float32_kernel_matches_reference(m, g, sym):
     """The float32 CPU kernel (cpu_int4.c, built at run time) against the reference dequant + matmul."""
