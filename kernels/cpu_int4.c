@@ -226,6 +226,37 @@ static void dot4_f32(const float *w, const float *x, int64_t k, int rows, float 
     }
 }
 
+#ifdef __AVX512F__
+/* out[i * stride] = row of W . x[i] for R rows of x (R <= 8): each block of 16 int8 weights is
+ * converted and scaled (exactly) in registers and feeds R accumulators. Needs group % 16 == 0. */
+#define DEFINE_FUSED_I8(R)                                                                               \
+    static void fused_i8_##R(const int8_t *q, const uint16_t *s, int64_t k, int64_t group, const float *x, \
+                             float *out, int64_t stride) {                                              \
+        __m512 acc[R];                                                                                   \
+        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                      \
+        for (int64_t g0 = 0; g0 < k; g0 += group) {                                                     \
+            const __m512 vs = _mm512_set1_ps(_cvtsh_ss(s[g0 / group]));                                 \
+            for (int64_t j = g0; j < g0 + group; j += 16) {                                             \
+                const __m512 w = _mm512_mul_ps(                                                         \
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))), vs); \
+                for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + i * k + j), acc[i]); \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < R; i++) out[i * stride] = _mm512_reduce_add_ps(acc[i]);                    \
+    }
+DEFINE_FUSED_I8(1)
+DEFINE_FUSED_I8(2)
+DEFINE_FUSED_I8(3)
+DEFINE_FUSED_I8(4)
+DEFINE_FUSED_I8(5)
+DEFINE_FUSED_I8(6)
+DEFINE_FUSED_I8(7)
+DEFINE_FUSED_I8(8)
+typedef void (*fused_i8_fn)(const int8_t *, const uint16_t *, int64_t, int64_t, const float *, float *, int64_t);
+static const fused_i8_fn FUSED_I8[9] = {0,          fused_i8_1, fused_i8_2, fused_i8_3, fused_i8_4,
+                                        fused_i8_5, fused_i8_6, fused_i8_7, fused_i8_8};
+#endif
+
 int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, const uint16_t *scales, int64_t n,
                          int64_t group, float *y, int threads) {
 #ifndef __F16C__
@@ -234,6 +265,16 @@ int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, 
     if (k % group) return 1;
     const int64_t groups = k / group;
     int failed = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+    if (group % 16 == 0 && m <= FUSED_MAX_M) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < m; i += 8)
+                FUSED_I8[m - i < 8 ? (int)(m - i) : 8](q + r * k, scales + r * groups, k, group, x + i * k,
+                                                        y + i * n + r, n);
+        return 0;
+    }
+#endif
 #pragma omp parallel num_threads(threads)
     {
         float *w = (float *)malloc(sizeof(float) * (size_t)k);

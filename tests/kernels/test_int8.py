@@ -65,7 +65,7 @@ def test_exact_blocks_hold_q8_0_weights_and_refuse_others():
     assert lin.weight.group_size == 32 and lin.nbytes == 48 * 96 + 48 * 3 * 2
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 9, 16, 17])  # fused (<= 16 rows, blocks of 8) and buffered
 def test_native_block_kernel_matches_the_float32_weights(m):
     w = q8_blocks(64, 160, seed=m)
     qw = Int8Weight.exact_blocks(w)
