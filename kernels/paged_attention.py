@@ -12,6 +12,10 @@ one of two kinds, told apart by its rank:
 
 A slot is ``page * page_size + offset``; negative slots in ``write_kv`` are skipped (padding).
 A sequence with ``context_len == 0`` produces zeros.
+
+The "cpu" backend runs ``write_kv`` and ``paged_decode_attention`` on float32 and FP8 pages as one
+native call each (``cpu_attention_native``; ``PAGODA_NATIVE_ATTENTION=0`` turns that off) and falls
+back to the vectorized torch code here for other pools or when the native library is unavailable.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cpu_attention_native import native_paged_decode, native_write_kv
 from .dispatch import resolve
 from .fp8_format import (
     FP8_BF16_BIAS,
@@ -103,6 +108,8 @@ def write_kv(
     _check_cache(k_cache, k_scale, "k_cache")
     _check_cache(v_cache, v_scale, "v_cache")
     be = resolve("write_kv", k.device, backend, supports=("cpu", "reference"))
+    if be == "cpu" and native_write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale):
+        return
     for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         if be == "reference":
             _write_reference(cache, x, slot_mapping, scale)
@@ -165,6 +172,9 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
         )
     if be == "cpu":
+        out = native_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        if out is not None:
+            return out
         return _decode_vectorized(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     return _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 

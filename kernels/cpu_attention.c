@@ -1,0 +1,330 @@
+/* Paged KV writes and paged decode attention for CPUs, over float32 or FP8 e4m3 (float8_e4m3fn) pages.
+ *
+ * Layout (kernels/paged_attention.py): pages [num_pages, page_size, H, D]; FP8 scales either static
+ * float32 [H] or per token bfloat16 [num_pages, page_size, H] beside the pages (raw uint16 bits here).
+ *
+ * pagoda_write_kv is bit-exact with the torch path: per-token scales are bf16_rne(max(amax|x| / 448,
+ * 1e-12)), values e4m3fn_rne(clamp(x / scale, -448, 448)) with true float32 division (the file must
+ * not be built with -ffast-math). pagoda_paged_decode runs one (sequence, KV head) pair per OpenMP
+ * iteration: the G query heads of that KV head score every cached token, a max-subtracted float32
+ * softmax, then the weighted V sum. FP8 codes decode through float16 bits (the e4m3 sign, exponent
+ * and mantissa placed so that the half reads code * 2**-8, subnormals included), the 2**8 folded into
+ * the scales. Built at run time by kernels/cpu_int4_native.py and called through
+ * kernels/cpu_attention_native.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define E4M3_MAX 448.0f
+#define SCALE_FLOOR 1e-12f
+#define HALF_BIAS 256.0f /* decoded codes read value * 2**-8 */
+
+enum { MODE_F32 = 0, MODE_FP8_STATIC = 1, MODE_FP8_TOKEN = 2 };
+
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> the canonical quiet NaN (as torch). */
+static inline uint16_t f32_to_bf16(float f) {
+    if (isnan(f)) return 0x7FC0;
+    uint32_t u = f2u(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* float32 already clamped to [-448, 448] (or NaN) -> e4m3fn bits, round to nearest even. */
+static inline uint8_t f32_to_e4m3(float f) {
+    uint32_t u = f2u(f);
+    uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7F;
+    if (a >= 0x3C800000u) { /* >= 2**-6: normal; 23 -> 3 mantissa bits, exponent bias 127 -> 7 */
+        uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+        return sign | (uint8_t)((r >> 20) - (120u << 3));
+    }
+    /* subnormal: multiples of 2**-9 (8 * 2**-9 is the smallest normal, code 0x08) */
+    return sign | (uint8_t)lrintf(u2f(a) * 512.0f);
+}
+
+/* e4m3 code -> value * 2**-8 (the scalar twin of the vector decode below). */
+static float e4m3_table[256];
+
+__attribute__((constructor)) static void init_e4m3_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+        if ((c & 0x7F) == 0x7F) v = NAN;
+        e4m3_table[c] = ((c & 0x80) ? -v : v) / HALF_BIAS;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- write */
+
+/* One token's row of one head: x [D] -> dst (quantized with scale s, or copied). */
+static void quantize_row(const float *x, int64_t d, float s, uint8_t *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-E4M3_MAX), hi = _mm512_set1_ps(E4M3_MAX);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), sign_mask = _mm512_set1_epi32((int)0x80000000u);
+    for (; i + 16 <= d; i += 16) {
+        /* max(lo, y) / min(hi, y) return y when y is NaN (the second operand), as torch's clamp */
+        __m512 y = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(_mm512_loadu_ps(x + i), vs)));
+        __m512i u = _mm512_castps_si512(y);
+        __m512i a = _mm512_and_si512(u, abs_mask);
+        __m512i sign = _mm512_srli_epi32(_mm512_and_si512(u, sign_mask), 24);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFFF)), odd);
+        __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(120 << 3));
+        __m512 sub_f = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.0f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i sub = _mm512_cvttps_epi32(sub_f);
+        __mmask16 is_normal = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x3C800000));
+        __mmask16 is_nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+        __m512i code = _mm512_mask_blend_epi32(is_normal, sub, normal);
+        code = _mm512_mask_blend_epi32(is_nan, code, _mm512_set1_epi32(0x7F));
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign)));
+    }
+#endif
+    for (; i < d; i++) {
+        float y = x[i] / s;
+        y = y < -E4M3_MAX ? -E4M3_MAX : (y > E4M3_MAX ? E4M3_MAX : y);
+        dst[i] = f32_to_e4m3(y);
+    }
+}
+
+/* Test hook: n float32 values -> e4m3fn bits of clamp(x, -448, 448), through the vector path of
+ * quantize_row (scalar = 0; its scalar tail for the last n % 16) or the scalar converter alone. */
+void pagoda_f32_to_e4m3(const float *x, int64_t n, uint8_t *out, int scalar) {
+    if (!scalar) {
+        quantize_row(x, n, 1.0f, out);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i]; /* NaN compares false and stays NaN */
+        out[i] = f32_to_e4m3(v < -E4M3_MAX ? -E4M3_MAX : (v > E4M3_MAX ? E4M3_MAX : v));
+    }
+}
+
+/* amax(|x|) over d values; NaN when any is NaN (as torch's amax). */
+static float abs_max(const float *x, int64_t d) {
+    float m = 0.0f;
+    int nan = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 vm = _mm512_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+        vm = _mm512_max_ps(vm, v);
+    }
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; i < d; i++) {
+        float v = fabsf(x[i]);
+        nan |= isnan(v);
+        m = v > m ? v : m;
+    }
+    return nan ? NAN : m;
+}
+
+static void write_component(const float *x, int64_t x_stride, int64_t t, int64_t h, int64_t d,
+                            const int64_t *slots, void *cache, int mode, void *scale) {
+    for (int64_t ti = 0; ti < t; ti++) {
+        int64_t slot = slots[ti];
+        if (slot < 0) continue;
+        for (int64_t hi = 0; hi < h; hi++) {
+            const float *row = x + ti * x_stride + hi * d;
+            int64_t at = (slot * h + hi) * d;
+            if (mode == MODE_F32) {
+                memcpy((float *)cache + at, row, (size_t)d * sizeof(float));
+                continue;
+            }
+            float s;
+            if (mode == MODE_FP8_TOKEN) {
+                float amax = abs_max(row, d) / E4M3_MAX;
+                uint16_t bits = f32_to_bf16(amax < SCALE_FLOOR ? SCALE_FLOOR : amax); /* NaN stays NaN */
+                ((uint16_t *)scale)[slot * h + hi] = bits;
+                s = u2f((uint32_t)bits << 16);
+            } else {
+                s = ((const float *)scale)[hi];
+            }
+            quantize_row(row, d, s, (uint8_t *)cache + at);
+        }
+    }
+}
+
+/* Writes K and V of t tokens (rows x_stride floats apart, [H, D] contiguous within) at their slots;
+ * negative slots are skipped. Returns 0, or -1 (nothing written) when a slot is >= num_slots. */
+int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
+                    int64_t hk, int64_t dk, void *k_cache, int k_mode, void *k_scale, const float *v,
+                    int64_t v_stride, int64_t hv, int64_t dv, void *v_cache, int v_mode, void *v_scale) {
+    for (int64_t i = 0; i < t; i++)
+        if (slots[i] >= num_slots) return -1;
+    write_component(k, k_stride, t, hk, dk, slots, k_cache, k_mode, k_scale);
+    write_component(v, v_stride, t, hv, dv, slots, v_cache, v_mode, v_scale);
+    return 0;
+}
+
+/* --------------------------------------------------------------------------------------- decode */
+
+/* One cached row (d values, float32 or e4m3 codes) -> float32 dst, zero-padded to dp (a multiple of
+ * 16). FP8 rows read code * 2**-8. */
+static inline void load_row(const void *src, int fp8, int64_t d, int64_t dp, float *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (fp8) {
+        const uint8_t *p = (const uint8_t *)src;
+        for (; i + 16 <= d; i += 16) {
+            /* e4m3 s.eeee.mmm -> half s.0eeee.mmm0000000: reads code * 2**-8, subnormals too */
+            __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + i)));
+            __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(c, 8), _mm256_set1_epi16((short)0x8000)),
+                                        _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(0x3F80)));
+            _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+        }
+    } else {
+        const float *p = (const float *)src;
+        for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(p + i));
+    }
+#endif
+    if (fp8)
+        for (; i < d; i++) dst[i] = e4m3_table[((const uint8_t *)src)[i]];
+    else
+        for (; i < d; i++) dst[i] = ((const float *)src)[i];
+    for (; i < dp; i++) dst[i] = 0.0f;
+}
+
+static inline float dot(const float *a, const float *b, int64_t dp) {
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dp; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc = 0.0f;
+    for (int64_t i = 0; i < dp; i++) acc += a[i] * b[i];
+    return acc;
+#endif
+}
+
+static inline void axpy(float w, const float *x, float *y, int64_t dp) {
+#ifdef __AVX512F__
+    const __m512 vw = _mm512_set1_ps(w);
+    for (int64_t i = 0; i < dp; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(vw, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#else
+    for (int64_t i = 0; i < dp; i++) y[i] += w * x[i];
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t b) { return u2f((uint32_t)b << 16); }
+
+typedef struct {
+    const void *cache;
+    int mode;
+    const void *scale; /* float32 [H] (static) or bf16 bits [num_pages, page_size, H] (per token) */
+} kv_part;
+
+/* the factor of token slot `slot` of head h: its scale (times the 2**8 of the half decode) or 1 */
+static inline float row_scale(const kv_part *p, int64_t slot, int64_t hkv, int64_t h) {
+    if (p->mode == MODE_F32) return 1.0f;
+    float s = p->mode == MODE_FP8_TOKEN ? bf16_to_f32(((const uint16_t *)p->scale)[slot * hkv + h])
+                                        : ((const float *)p->scale)[h];
+    return s * HALF_BIAS;
+}
+
+static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const kv_part *kp, const kv_part *vp,
+                        int64_t page_size, int64_t hkv, const int32_t *table, int64_t len, float scale, int64_t b,
+                        int64_t h, float *out, float *buf) {
+    const int64_t g = hq / hkv;
+    float *qs = buf, *row = qs + g * dp, *acc = row + dp, *scores = acc + g * dp;
+    float *o = out + (b * hq + h * g) * d;
+    if (len == 0) {
+        memset(o, 0, (size_t)(g * d) * sizeof(float));
+        return;
+    }
+    const int fk = kp->mode != MODE_F32, fv = vp->mode != MODE_F32;
+    const size_t ek = fk ? 1 : 4, ev = fv ? 1 : 4;
+    for (int64_t gi = 0; gi < g; gi++) {
+        const float *qr = q + (b * hq + h * g + gi) * d;
+        for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = i < d ? qr[i] * scale : 0.0f;
+    }
+    /* scores[gi * len + j] = (q_gi . k_j) * scale * k_scale_j */
+    for (int64_t j = 0; j < len; j++) {
+        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+        load_row((const char *)kp->cache + ((slot * hkv + h) * d) * ek, fk, d, dp, row);
+        float ks = row_scale(kp, slot, hkv, h);
+        for (int64_t gi = 0; gi < g; gi++) scores[gi * len + j] = dot(qs + gi * dp, row, dp) * ks;
+    }
+    for (int64_t gi = 0; gi < g; gi++) {
+        float *s = scores + gi * len, m = s[0], sum = 0.0f;
+        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < len; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+    }
+    memset(acc, 0, (size_t)(g * dp) * sizeof(float));
+    for (int64_t j = 0; j < len; j++) {
+        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+        load_row((const char *)vp->cache + ((slot * hkv + h) * d) * ev, fv, d, dp, row);
+        float vs = row_scale(vp, slot, hkv, h);
+        for (int64_t gi = 0; gi < g; gi++) axpy(scores[gi * len + j] * vs, row, acc + gi * dp, dp);
+    }
+    for (int64_t gi = 0; gi < g; gi++) memcpy(o + gi * d, acc + gi * dp, (size_t)d * sizeof(float));
+}
+
+/* out [B, Hq, D] float32 = decode attention of q [B, Hq, D] over the pages of each sequence.
+ * tables [B, cols] int32, lens [B] int32. Before reading any page, checks every length (0 <= len <=
+ * cols * page_size) and every page id the lengths use (0 <= id < num_pages): returns -(b + 1) for
+ * the first sequence b that fails (nothing computed), -(B + 1) when scratch memory runs out, else 0. */
+int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, const void *k_cache, int k_mode,
+                        const void *k_scale, const void *v_cache, int v_mode, const void *v_scale,
+                        int64_t num_pages, int64_t page_size, int64_t hkv, const int32_t *tables, int64_t cols,
+                        const int32_t *lens, float scale, float *out, int threads) {
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < bsz; b++) {
+        int64_t len = lens[b];
+        if (len < 0 || len > cols * page_size) return (int)-(b + 1);
+        for (int64_t p = 0; p < (len + page_size - 1) / page_size; p++) {
+            int32_t id = tables[b * cols + p];
+            if (id < 0 || id >= num_pages) return (int)-(b + 1);
+        }
+        max_len = len > max_len ? len : max_len;
+    }
+    const kv_part kp = {k_cache, k_mode, k_scale}, vp = {v_cache, v_mode, v_scale};
+    const int64_t g = hq / hkv, dp = (d + 15) / 16 * 16, pairs = bsz * hkv;
+    const size_t need = (size_t)(2 * g * dp + dp + g * (max_len > 0 ? max_len : 1)) * sizeof(float);
+    int failed = 0;
+    if (threads < 1) threads = 1;
+    if (threads > pairs) threads = (int)(pairs > 0 ? pairs : 1);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *buf = (float *)aligned_alloc(64, (need + 63) / 64 * 64);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < pairs; i++) {
+            if (buf == NULL) continue;
+            int64_t b = i / hkv, h = i % hkv;
+            decode_pair(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, lens[b], scale, b, h, out, buf);
+        }
+        free(buf);
+    }
+    return failed ? (int)-(bsz + 1) : 0;
+}
