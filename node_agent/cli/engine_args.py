@@ -54,9 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
     p.add_argument(
         "--decode-lm-head",
-        choices=("dense", "int8", "int4"),
-        default="dense",
-        help="the decode phase's LM head: dense (the compute dtype), int8 (per row) or int4 (group 32)",
+        choices=("auto", "dense", "int8", "int4"),
+        default="auto",
+        help="the decode phase's LM head: auto (int8 where int8 blocks hold it exactly, as GGUF Q8_0, with "
+        "float32 compute on a CPU; else dense), dense (the compute dtype), int8 (per row unless exact) or "
+        "int4 (group 32)",
     )
     p.add_argument(
         "--int4-compute",
@@ -141,7 +143,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         fault_injection=getattr(a, "enable_fault_injection", False),
         kernel_backend=a.kernels,
-        decode_lm_head=getattr(a, "decode_lm_head", "dense"),
+        decode_lm_head=getattr(a, "decode_lm_head", "auto"),
         compile=getattr(a, "compile", False),
         int4_compute=getattr(a, "int4_compute", "float32"),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
+from pagoda.kernels.int8 import lossless_head_format
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
@@ -200,7 +201,10 @@ class LlamaForCausalLM:
         ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
-        # The LM head per phase: dense in prefill; in decode dense, int8 (per row) or int4 (group 32)
+        # The LM head per phase: dense in prefill; in decode dense, int8 (per row unless exact) or int4
+        # (group 32); auto: int8 where it loses nothing and a native kernel runs it, else dense
+        if decode_head_format == "auto":
+            decode_head_format = lossless_head_format(head, dtype, device)
         decode_head = "bf16" if decode_head_format == "dense" else decode_head_format
         # (a decode-only worker runs its rare prefill-phase steps on the decode head too)
         head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}

@@ -119,4 +119,5 @@ def test_dense_head_baseline_compares_a_packed_head(no_reload) -> None:
         check_spread(row, "decode_tok_s", 2)
     check_ratio(res["ratios"]["pagoda_vs_pagoda_dense_head"]["c2"], 2)
     with pytest.raises(ValueError, match="packed --decode-lm-head"):
-        bench_decode(QUICK, [1], max_tokens=2, baselines=(DENSE_HEAD,), repeats=1, log=lambda _: None)
+        dense = dataclasses.replace(QUICK, decode_lm_head="dense")
+        bench_decode(dense, [1], max_tokens=2, baselines=(DENSE_HEAD,), repeats=1, log=lambda _: None)

@@ -79,7 +79,7 @@ def test_native_block_kernel_matches_the_float32_weights(m):
 
 def test_the_builtin_int8_head_is_its_q8_0_embedding(make_engine):
     """The built-in model's tied embedding is GGUF Q8_0: the int8 head holds it exactly."""
-    dense = make_engine(kv_memory=16 << 20)
+    dense = make_engine(kv_memory=16 << 20, decode_lm_head="dense")
     int8 = make_engine(kv_memory=16 << 20, decode_lm_head="int8")
     head = int8.model.lm_head.by_phase["decode"].weight
     assert head.group_size == 32 and torch.equal(head.dequantize(), dense.model.embed)
@@ -87,3 +87,21 @@ def test_the_builtin_int8_head_is_its_q8_0_embedding(make_engine):
     a, b = dense.score(ids, phase="decode"), int8.score(ids, phase="decode")
     assert (a - b).abs().max().item() < 1e-3  # the same weights; only the summation order differs
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_the_auto_head_is_int8_only_where_that_loses_nothing(make_engine):
+    """``auto`` (the default) takes int8 blocks for a Q8_0 head with float32 CPU compute, else dense."""
+    from pagoda.kernels.cpu_int4_native import status
+    from pagoda.kernels.int8 import lossless_head_format
+
+    cpu = torch.device("cpu")
+    q8 = q8_blocks(64, 160, seed=3)
+    if lossless_head_format(q8, torch.float32, cpu) == "dense":
+        pytest.skip(f"native kernel unavailable here: {status['reason']}")
+    assert lossless_head_format(q8 + 1e-3, torch.float32, cpu) == "dense"  # not blocks: rounding would lose
+    assert lossless_head_format(q8.bfloat16(), torch.bfloat16, cpu) == "dense"
+    assert lossless_head_format(q8, torch.float32, torch.device("meta")) == "dense"
+    auto = make_engine(kv_memory=16 << 20)
+    assert auto.config.decode_lm_head == "auto"
+    assert isinstance(auto.model.lm_head.by_phase["decode"].weight, Int8Weight)
+    assert not isinstance(auto.model.lm_head.by_phase["prefill"].weight, Int8Weight)  # prefill stays dense
