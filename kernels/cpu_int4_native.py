@@ -51,7 +51,10 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             proc = subprocess.run(
-                [cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp_out)], capture_output=True, text=True, timeout=120
+                [cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp_out)],
+                capture_output=True,
+                text=True,
+                timeout=120,
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1:]}")

@@ -180,7 +180,9 @@ class EngineConfig:
         if self.int4_compute not in ("float32", "bf16"):
             raise ConfigError(f"int4 compute must be float32 or bf16, got {self.int4_compute!r}")
         if self.decode_lm_head not in ("auto", "dense", "int8", "int4"):
-            raise ConfigError(f"decode LM head must be auto, dense, int8 or int4, got {self.decode_lm_head!r}")
+            raise ConfigError(
+                f"decode LM head must be auto, dense, int8 or int4, got {self.decode_lm_head!r}"
+            )
         if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
             raise ConfigError(
                 f"kv scale granularity must be one of {', '.join(KV_SCALE_GRANULARITIES)}, "
