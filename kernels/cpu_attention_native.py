@@ -21,7 +21,6 @@ from .fp8_format import FP8_DTYPE, TOKEN_SCALE_DTYPE
 ENV_VAR = "PAGODA_NATIVE_ATTENTION"
 # cache modes of the C side
 MODE_F32, MODE_FP8_STATIC, MODE_FP8_TOKEN = 0, 1, 2
-_configured: set[int] = set()
 
 
 def enabled() -> bool:
@@ -31,7 +30,7 @@ def enabled() -> bool:
 
 def _lib() -> ctypes.CDLL | None:
     lib = library()
-    if lib is None or id(lib) in _configured:
+    if lib is None or getattr(lib, "pagoda_attention_ready", False):
         return lib
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pagoda_write_kv.restype = i32
@@ -42,7 +41,7 @@ def _lib() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pagoda_f32_to_e4m3.restype = None
     lib.pagoda_f32_to_e4m3.argtypes = [ptr, i64, ptr, i32]
-    _configured.add(id(lib))
+    lib.pagoda_attention_ready = True
     return lib
 
 

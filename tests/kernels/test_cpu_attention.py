@@ -1,0 +1,265 @@
+"""The native CPU paged KV write and decode (kernels/cpu_attention.c): writes byte-equal to the torch
+paths, the e4m3 converter equal to torch's cast, decode within float32 rounding of the reference,
+the torch fallback behind ``PAGODA_NATIVE_ATTENTION=0``, and the engine's greedy output unchanged."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+
+import pytest
+import torch
+from kernel_testing import make_paged_kv
+
+from pagoda.kernels import cpu_attention_native as native
+from pagoda.kernels import paged_attention as pa
+from pagoda.kernels.cpu_int4_native import library, status
+from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.paged_attention import (
+    calibrate_kv_scales,
+    empty_page_scales,
+    paged_decode_attention,
+    write_kv,
+)
+
+needs_native = pytest.mark.skipif(
+    library() is None, reason=f"native CPU kernels unavailable: {status['reason']}"
+)
+pytestmark = needs_native
+
+KINDS = ["fp8tok", "fp8", "fp32"]  # per-token K + static V (the default pool), static both, float32
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Runs the body with the native path off (``PAGODA_NATIVE_ATTENTION=0``)."""
+    monkeypatch.setenv(native.ENV_VAR, "0")
+
+
+def _pool(kind: str, num_pages: int, page_size: int, hkv: int, d: int, calib: tuple[torch.Tensor, ...]):
+    """Empty caches and scales of one kind (static scales calibrated on ``calib`` K and V)."""
+    dtype = torch.float32 if kind == "fp32" else FP8_DTYPE
+    k = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype)
+    v = torch.zeros_like(k)
+    if kind == "fp32":
+        return k, v, None, None
+    ks, vs = calibrate_kv_scales(*calib)
+    if kind == "fp8tok":
+        ks = empty_page_scales(num_pages, page_size, hkv, "cpu")
+    return k, v, ks, vs
+
+
+def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.view(torch.uint8) if t.dtype == FP8_DTYPE else t.view(torch.int16)
+
+
+def _hard_values(t: int, h: int, d: int, seed: int) -> torch.Tensor:
+    """Random K/V rows with zeros, tiny (e4m3 subnormal) rows, values at and beyond the clamp."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, d, generator=gen) * 3
+    x[0] = 0.0  # all-zero token: the scale floor
+    x[1, 0] = torch.randn(d, generator=gen) * 1e-3  # subnormal codes under the static scales
+    x[1, 1] = torch.randn(d, generator=gen) * 1e-20  # below the scale floor under per-token scales
+    x[2, :, : d // 2] = 448.0 * 0.02  # at the clamp of a 0.02 static scale
+    x[2, :, d // 2 :] = -1e4  # far beyond it
+    x[3] = -0.0
+    x[4, 0, 0] = 7.0 * 2**-9 * 0.02 * 0.5  # halfway cases under a 0.02 scale
+    x[6, 0, 0] = 448.0 * (1 + 2**-8)  # amax / 448 halfway between two bfloat16: rounds to even
+    x[6, 1, 0] = -448.0 * (1 + 3 * 2**-8)
+    return x
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [64, 20])
+def test_write_is_byte_equal_to_torch_and_reference(kind, d, monkeypatch):
+    hkv, ps, pages, t = 3, 4, 12, 24
+    k, v = _hard_values(t, hkv, d, 1), _hard_values(t, hkv, d, 2)
+    k = torch.cat([k, k], dim=2)[:, :, :d]  # non-contiguous token rows (stride 2 * d)
+    slots = torch.randperm(pages * ps, generator=torch.Generator().manual_seed(3))[:t]
+    slots[[5, 9, 17]] = -1  # padding
+    calib = (torch.full((1, hkv, 1), 448.0 * 0.02), torch.full((1, hkv, 1), 448.0 * 0.02))
+    results = []
+    for path in ("native", "cpu", "reference"):
+        monkeypatch.setenv(native.ENV_VAR, "0" if path == "cpu" else "1")
+        kc, vc, ks, vs = _pool(kind, pages, ps, hkv, d, calib)
+        kc.view(torch.uint8).fill_(0x5A)  # untouched slots must keep their bytes
+        write_kv(kc, vc, k, v, slots, ks, vs, backend="reference" if path == "reference" else "cpu")
+        results.append([_raw(x) for x in (kc, vc, ks, vs)])
+    assert native.native_write_kv(kc, vc, k, v, slots, ks, vs)  # the native path serves this pool
+    for other in results[1:]:
+        for got, want in zip(results[0], other, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert torch.equal(got, want)
+    if kind == "fp8":
+        codes = results[0][0].view(pages * ps, hkv, d)[slots[2]]
+        assert (codes[:, : d // 2] == 0x7E).all() and (codes[:, d // 2 :] == 0xFE).all()  # +-448
+
+
+def test_write_rejects_a_slot_beyond_the_pool():
+    kc, vc, ks, vs = _pool("fp8tok", 2, 4, 1, 16, (torch.ones(1, 1, 1), torch.ones(1, 1, 1)))
+    x = torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="slot 8 but the KV pool has 8 slots"):
+        write_kv(kc, vc, x, x, torch.tensor([0, 8]), ks, vs, backend="cpu")
+    assert (kc.view(torch.uint8) == 0).all() and (ks.view(torch.int16) == 0).all()  # nothing written
+
+
+def _e4m3_sweep() -> torch.Tensor:
+    """Every 61st float32 bit pattern within +-448 (and beyond it, to the clamp), every e4m3 value,
+    every midpoint between neighbours exactly and one float32 ulp either side."""
+    bits = torch.arange(0, 0x7F800001, 61, dtype=torch.int64).to(torch.int32)
+    dense = bits.view(torch.float32)
+    dense = dense[dense <= 1000.0]
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8_DTYPE).float()  # 0 .. 448
+    mids = (codes[1:].double() + codes[:-1].double()).div(2).float()
+    assert torch.equal(mids.double(), (codes[1:].double() + codes[:-1].double()) / 2)  # exact
+    near = torch.cat([torch.nextafter(mids, torch.tensor(-1.0)), torch.nextafter(mids, torch.tensor(1e9))])
+    edges = torch.tensor([FP8_MAX, 449.0, 464.0, 480.0, 1e30, float("inf"), 2**-6, 2**-10, 1e-45])
+    x = torch.cat([dense, codes, mids, near, edges])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
+def test_e4m3_converter_matches_torch_cast(scalar):
+    x = _e4m3_sweep()
+    want = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+    got = native.f32_to_e4m3_bits(x, scalar=scalar)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} of {x.numel()} differ, e.g. {x[bad[:4]].tolist()}"
+
+
+def _decode_pool(kind: str, lens: list[int], hkv: int, d: int, page_size: int, seed: int):
+    """Random K/V for ``lens`` on randomly permuted pages (the reference write), of one kind."""
+    pk = make_paged_kv(lens, page_size, hkv, d, torch.float32, seed=seed)
+    if kind == "fp32":
+        return pk
+    calib = (torch.cat(pk.keys), torch.cat(pk.values))
+    kc, vc, ks, vs = _pool(kind, pk.k_cache.shape[0], page_size, hkv, d, calib)
+    for b, n in enumerate(lens):
+        pages = pk.block_tables[b, : math.ceil(n / page_size)].long()
+        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
+        write_kv(kc, vc, pk.keys[b], pk.values[b], slots, ks, vs, backend="reference")
+    pk.k_cache, pk.v_cache, pk.k_scale, pk.v_scale = kc, vc, ks, vs
+    return pk
+
+
+DECODE_LENS = {
+    1: [[37]],
+    16: [[0, 1, 16, 17, 5, 64, 31, 2, 48, 9, 0, 33, 15, 50, 3, 20]],
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("bsz", [1, 16])
+def test_decode_matches_reference(kind, group, bsz):
+    hkv, d, ps = 3, 64, 16
+    lens = DECODE_LENS[bsz][0]
+    pk = _decode_pool(kind, lens, hkv, d, ps, seed=bsz + group)
+    q = torch.randn(bsz, hkv * group, d, generator=torch.Generator().manual_seed(5))
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, d**-0.5, pk.k_scale, pk.v_scale)
+    out = native.native_paged_decode(*args)
+    assert out is not None
+    ref = pa._decode_reference(*args)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+    assert torch.equal(paged_decode_attention(*args, backend="cpu"), out)  # the backend runs it
+
+
+@pytest.mark.parametrize("kind", ["fp8tok", "fp32"])
+def test_decode_odd_head_dim_and_bf16_queries(kind):
+    lens = [7, 0, 12, 1]
+    pk = _decode_pool(kind, lens, 2, 24, 4, seed=11)  # D = 24: the vector loops' scalar tails
+    q = torch.randn(4, 4, 24).bfloat16()
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.2, pk.k_scale, pk.v_scale)
+    out = paged_decode_attention(*args, backend="cpu")
+    assert out.dtype == torch.bfloat16
+    ref = pa._decode_reference(*args)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_decode_rejects_pages_outside_the_pool_or_table():
+    pk = _decode_pool("fp8tok", [5, 9], 1, 16, 4, seed=2)
+    args = (pk.k_cache, pk.v_cache)
+    q = torch.randn(2, 1, 16)
+    tables = pk.block_tables.clone()
+    tables[1, 2] = pk.k_cache.shape[0]  # the third page of a 9-token sequence
+    with pytest.raises(ValueError, match="sequence 1: context length 9"):
+        paged_decode_attention(q, *args, tables, pk.context_lens, 0.3, pk.k_scale, pk.v_scale, "cpu")
+    lens = torch.tensor([5, 4 * tables.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the table"):
+        paged_decode_attention(q, *args, pk.block_tables, lens, 0.3, pk.k_scale, pk.v_scale, "cpu")
+    tables = pk.block_tables.clone()
+    tables[1, 3:] = -1  # columns past the used pages are never read
+    out = paged_decode_attention(q, *args, tables, pk.context_lens, 0.3, pk.k_scale, pk.v_scale, "cpu")
+    assert torch.isfinite(out).all()
+
+
+def test_env_var_runs_the_torch_path(torch_path, monkeypatch):
+    pk = _decode_pool("fp8tok", [20, 3, 0], 3, 64, 16, seed=4)
+    calls = []
+    real = pa._decode_vectorized
+    monkeypatch.setattr(pa, "_decode_vectorized", lambda *a: calls.append(1) or real(*a))
+    q = torch.randn(3, 9, 64)
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.125, pk.k_scale, pk.v_scale)
+    out = paged_decode_attention(*args, backend="cpu")
+    assert calls == [1]
+    assert native.native_paged_decode(*args) is None
+    torch.testing.assert_close(out, pa._decode_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_pages_keep_the_torch_path():
+    pk = make_paged_kv([6, 2], 4, 1, 16, torch.bfloat16)
+    q = torch.randn(2, 2, 16)
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.3, None, None)
+    assert native.native_paged_decode(*args) is None
+    assert not native.native_write_kv(
+        pk.k_cache, pk.v_cache, q[:, :1], q[:, :1], torch.tensor([0, 1]), None, None
+    )
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+def test_scalar_build_matches_the_vector_one(tmp_path, monkeypatch):
+    """The file without AVX-512 (the fallback other CPUs compile) gives the same bytes and scores."""
+    src = pa.__file__.replace("paged_attention.py", "cpu_attention.c")
+    so = tmp_path / "scalar.so"
+    flags = ["-O2", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
+    subprocess.run(["gcc", *flags, src, "-o", str(so)], check=True, capture_output=True, timeout=120)
+    pk = _decode_pool("fp8tok", [33, 1, 0, 18], 3, 24, 16, seed=6)
+    q = torch.randn(4, 9, 24)
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.2, pk.k_scale, pk.v_scale)
+    x = _e4m3_sweep()[::7]
+    k, slots = _hard_values(8, 3, 24, 9), torch.arange(8) * 3
+    outs = []
+    for lib in (library(), ctypes.CDLL(str(so))):
+        monkeypatch.setattr(native, "library", lambda lib=lib: lib)
+        kc, vc, ks, vs = _pool("fp8tok", 4, 16, 3, 24, (k, k))
+        assert native.native_write_kv(kc, vc, k, k, slots, ks, vs)
+        outs.append((native.f32_to_e4m3_bits(x), _raw(kc), _raw(ks), native.native_paged_decode(*args)))
+    (bits, kc, ks, out), (bits_s, kc_s, ks_s, out_s) = outs
+    assert torch.equal(bits, bits_s) and torch.equal(kc, kc_s) and torch.equal(ks, ks_s)
+    torch.testing.assert_close(out_s, out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch):
+    """Default formats (FP8 per-token K pages in decode): the same tokens with the native path on
+    and off."""
+    from pagoda.node_agent.engine.config import PhaseFormats
+    from pagoda.node_agent.engine.sequence import SamplingParams
+
+    engine = make_engine(formats=PhaseFormats(), enable_prefix_caching=False)
+    prompts = ["The quick brown fox", "In 1969, the first humans landed on", "def add(a, b):\n    "]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(native.ENV_VAR, flag)
+        rids = [engine.add_request(p, params) for p in prompts]
+        final = engine.run_until_done()
+        runs.append([final[r].token_ids for r in rids])
+    assert all(len(t) == 16 for t in runs[1])
+    assert runs[0] == runs[1]
