@@ -228,6 +228,63 @@ static inline void axpy(float w, const float *x, float *y, int64_t dp) {
 #endif
 }
 
+#ifdef __AVX512F__
+/* e**x for x <= 0 (scores minus their max), within a few float32 ulp: x = n ln2 + r, |r| <= ln2 / 2,
+ * a degree-7 Taylor polynomial of e**r (truncation < 6e-9), then scaled by 2**n (0 below ~-103). */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* s[0..n) <- softmax(s), max-subtracted, in float32 (n >= 1). */
+static void softmax(float *s, int64_t n) {
+    float m = s[0], sum = 0.0f;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 vm = _mm512_set1_ps(s[0]);
+    for (; j + 16 <= n; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j));
+    m = _mm512_reduce_max_ps(vm);
+#endif
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    j = 0;
+#ifdef __AVX512F__
+    const __m512 vmax = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmax));
+        _mm512_storeu_ps(s + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (j < n) {
+        __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), vmax));
+        _mm512_mask_storeu_ps(s + j, tail, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+        j = n;
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) s[j] *= inv;
+}
+
 static inline float bf16_to_f32(uint16_t b) { return u2f((uint32_t)b << 16); }
 
 typedef struct {
@@ -267,16 +324,7 @@ static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const
         float ks = row_scale(kp, slot, hkv, h);
         for (int64_t gi = 0; gi < g; gi++) scores[gi * len + j] = dot(qs + gi * dp, row, dp) * ks;
     }
-    for (int64_t gi = 0; gi < g; gi++) {
-        float *s = scores + gi * len, m = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = expf(s[j] - m);
-            sum += s[j];
-        }
-        float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-    }
+    for (int64_t gi = 0; gi < g; gi++) softmax(scores + gi * len, len);
     memset(acc, 0, (size_t)(g * dp) * sizeof(float));
     for (int64_t j = 0; j < len; j++) {
         int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
