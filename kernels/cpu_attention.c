@@ -335,6 +335,120 @@ static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const
     for (int64_t gi = 0; gi < g; gi++) memcpy(o + gi * d, acc + gi * dp, (size_t)d * sizeof(float));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FAST_DECODE 1
+/* 16 e4m3 codes (lanes outside m read as 0) -> value * 2**-8: the half s.0eeee.mmm0000000 */
+static inline __m512 fp8x16(const uint8_t *p, __mmask16 m) {
+    __m256i c = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p)), 7); /* sign at bit 14 */
+    c = _mm256_add_epi16(c, _mm256_and_si256(c, _mm256_set1_epi16(0x4000)));         /* moved to bit 15 */
+    return _mm512_cvtph_ps(c);
+}
+
+static inline __m512 row_chunk(const void *base, int fp8, int64_t at, __mmask16 m) {
+    return fp8 ? fp8x16((const uint8_t *)base + at, m) : _mm512_maskz_loadu_ps(m, (const float *)base + at);
+}
+
+/* lane t of the result = the sum of the 16 lanes of v[t] */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One (sequence, KV head) pair with AVX-512: query heads in blocks of 4, K rows decoded chunk by chunk
+ * straight into registers and scored 16 tokens at a time (one transposing reduction per 16), then V
+ * accumulated in registers 4 heads x 64 dims at a time. Buffers: qs [gp * dp], scores [gp * lp],
+ * ksc, vsc [lp], rows [lp] (gp = g rounded up to 4, lp = len rounded up to 16). */
+static void decode_pair_fast(const float *q, int64_t hq, int64_t d, int64_t dp, const kv_part *kp,
+                             const kv_part *vp, int64_t page_size, int64_t hkv, const int32_t *table, int64_t len,
+                             float scale, int64_t b, int64_t h, float *out, float *buf) {
+    const int64_t g = hq / hkv, gp = (g + 3) / 4 * 4, lp = (len + 15) / 16 * 16, nc = dp / 16;
+    float *qs = buf, *scores = qs + gp * dp, *ksc = scores + gp * lp, *vsc = ksc + lp;
+    int64_t *rows = (int64_t *)(vsc + lp);
+    float *o = out + (b * hq + h * g) * d;
+    const int fk = kp->mode != MODE_F32, fv = vp->mode != MODE_F32;
+    for (int64_t gi = 0; gi < gp; gi++) {
+        const float *qr = q + (b * hq + h * g + gi) * d;
+        for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = gi < g && i < d ? qr[i] * scale : 0.0f;
+    }
+    for (int64_t j = 0; j < len; j++) {
+        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+        rows[j] = (slot * hkv + h) * d;
+        ksc[j] = row_scale(kp, slot, hkv, h);
+        vsc[j] = row_scale(vp, slot, hkv, h);
+    }
+    for (int64_t j = len; j < lp; j++) ksc[j] = vsc[j] = 0.0f;
+    for (int64_t gb = 0; gb < g; gb += 4) {
+        for (int64_t j0 = 0; j0 < len; j0 += 16) {
+            __m512 part[4][16];
+            for (int t = 0; t < 16; t++) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                if (j0 + t < len) {
+                    const int64_t at = rows[j0 + t];
+                    for (int64_t c = 0; c < nc; c++) {
+                        const int64_t left = d - 16 * c;
+                        const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+                        const __m512 kv = row_chunk(kp->cache, fk, at + 16 * c, m);
+                        const float *qc = qs + gb * dp + 16 * c;
+                        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qc), kv, a0);
+                        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qc + dp), kv, a1);
+                        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qc + 2 * dp), kv, a2);
+                        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qc + 3 * dp), kv, a3);
+                    }
+                }
+                part[0][t] = a0, part[1][t] = a1, part[2][t] = a2, part[3][t] = a3;
+            }
+            const __m512 ks = _mm512_loadu_ps(ksc + j0);
+            for (int i = 0; i < 4; i++)
+                _mm512_storeu_ps(scores + (gb + i) * lp + j0, _mm512_mul_ps(hsum16(part[i]), ks));
+        }
+    }
+    for (int64_t gi = 0; gi < gp; gi++) {
+        float *s = scores + gi * lp;
+        if (gi < g) softmax(s, len);
+        for (int64_t j = 0; j < lp; j += 16) /* V's scales (0 past len and for padding heads) */
+            _mm512_storeu_ps(s + j, gi < g ? _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_loadu_ps(vsc + j))
+                                           : _mm512_setzero_ps());
+    }
+    for (int64_t gb = 0; gb < g; gb += 4) {
+        const float *w = scores + gb * lp;
+        for (int64_t c0 = 0; c0 < nc; c0 += 4) {
+            __m512 acc[4][4];
+            __mmask16 m[4];
+            for (int c = 0; c < 4; c++) {
+                const int64_t left = d - 16 * (c0 + c);
+                m[c] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+                for (int i = 0; i < 4; i++) acc[i][c] = _mm512_setzero_ps();
+            }
+            for (int64_t j = 0; j < len; j++) {
+                const int64_t at = rows[j] + 16 * c0;
+                const __m512 w0 = _mm512_set1_ps(w[j]), w1 = _mm512_set1_ps(w[lp + j]);
+                const __m512 w2 = _mm512_set1_ps(w[2 * lp + j]), w3 = _mm512_set1_ps(w[3 * lp + j]);
+                for (int c = 0; c < 4; c++) {
+                    const __m512 vv = row_chunk(vp->cache, fv, at + 16 * c, m[c]);
+                    acc[0][c] = _mm512_fmadd_ps(w0, vv, acc[0][c]);
+                    acc[1][c] = _mm512_fmadd_ps(w1, vv, acc[1][c]);
+                    acc[2][c] = _mm512_fmadd_ps(w2, vv, acc[2][c]);
+                    acc[3][c] = _mm512_fmadd_ps(w3, vv, acc[3][c]);
+                }
+            }
+            for (int i = 0; i < 4 && gb + i < g; i++)
+                for (int c = 0; c < 4; c++)
+                    _mm512_mask_storeu_ps(o + (gb + i) * d + 16 * (c0 + c), m[c], acc[i][c]);
+        }
+    }
+}
+#endif
+
 /* out [B, Hq, D] float32 = decode attention of q [B, Hq, D] over the pages of each sequence.
  * tables [B, cols] int32, lens [B] int32. Before reading any page, checks every length (0 <= len <=
  * cols * page_size) and every page id the lengths use (0 <= id < num_pages): returns -(b + 1) for
@@ -355,7 +469,9 @@ int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, cons
     }
     const kv_part kp = {k_cache, k_mode, k_scale}, vp = {v_cache, v_mode, v_scale};
     const int64_t g = hq / hkv, dp = (d + 15) / 16 * 16, pairs = bsz * hkv;
-    const size_t need = (size_t)(2 * g * dp + dp + g * (max_len > 0 ? max_len : 1)) * sizeof(float);
+    /* scratch of either pair function: the fast one's (padded) buffers cover the scalar one's */
+    const int64_t gp = (g + 3) / 4 * 4, lp = (max_len + 15) / 16 * 16 + 16;
+    const size_t need = (size_t)(2 * gp * dp + dp + gp * lp + 2 * lp) * sizeof(float) + (size_t)lp * sizeof(int64_t);
     int failed = 0;
     if (threads < 1) threads = 1;
     if (threads > pairs) threads = (int)(pairs > 0 ? pairs : 1);
@@ -370,6 +486,13 @@ int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, cons
         for (int64_t i = 0; i < pairs; i++) {
             if (buf == NULL) continue;
             int64_t b = i / hkv, h = i % hkv;
+#ifdef FAST_DECODE
+            if (lens[b] > 0) {
+                decode_pair_fast(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, lens[b], scale, b, h, out,
+                                 buf);
+                continue;
+            }
+#endif
             decode_pair(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, lens[b], scale, b, h, out, buf);
         }
         free(buf);

@@ -171,15 +171,19 @@ def test_decode_matches_reference(kind, group, bsz):
 
 
 @pytest.mark.parametrize("kind", ["fp8tok", "fp32"])
-def test_decode_odd_head_dim_and_bf16_queries(kind):
+@pytest.mark.parametrize("d,group", [(24, 2), (80, 5)])
+def test_decode_odd_head_dim_and_bf16_queries(kind, d, group):
+    """D not a multiple of 16 (the vector loops' tails) or above 64, G above 4 (two head blocks)."""
     lens = [7, 0, 12, 1]
-    pk = _decode_pool(kind, lens, 2, 24, 4, seed=11)  # D = 24: the vector loops' scalar tails
-    q = torch.randn(4, 4, 24).bfloat16()
+    pk = _decode_pool(kind, lens, 2, d, 4, seed=11)
+    q = torch.randn(4, 2 * group, d).bfloat16()
     args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.2, pk.k_scale, pk.v_scale)
     out = paged_decode_attention(*args, backend="cpu")
     assert out.dtype == torch.bfloat16
-    ref = pa._decode_reference(*args)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), pa._decode_reference(*args).float(), rtol=1e-2, atol=1e-2)
+    out = native.native_paged_decode(q.float(), *args[1:])
+    ref = pa._decode_reference(q.float(), *args[1:])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
 def test_decode_rejects_pages_outside_the_pool_or_table():
