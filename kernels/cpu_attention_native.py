@@ -47,11 +47,12 @@ def _lib() -> ctypes.CDLL | None:
 
 def _mode(cache: Tensor, scale: Tensor | None) -> int | None:
     """The C cache mode, or None when the native path does not serve this cache."""
-    if cache.device.type != "cpu" or not cache.is_contiguous():
+    dtype = cache.dtype
+    if not cache.is_cpu or not cache.is_contiguous():
         return None
-    if cache.dtype == torch.float32:
+    if dtype is torch.float32:
         return MODE_F32
-    if cache.dtype != FP8_DTYPE or scale is None:
+    if dtype is not FP8_DTYPE or scale is None:
         return None
     if scale.dim() == 3:  # per-token page scales, written in place: must be the pool's own tensor
         ok = scale.dtype == TOKEN_SCALE_DTYPE and scale.is_contiguous() and scale.shape == cache.shape[:3]
@@ -72,9 +73,9 @@ def _ptr(t: Tensor | None) -> int | None:
 
 def _rows(x: Tensor, cache: Tensor) -> Tensor | None:
     """``x [T, H, D]`` as float32 whose [H, D] rows are contiguous (tokens any stride apart)."""
-    if x.dim() != 3 or x.shape[1:] != cache.shape[2:] or x.device.type != "cpu":
+    if x.dim() != 3 or x.shape[1:] != cache.shape[2:] or not x.is_cpu:
         return None
-    x = x if x.dtype == torch.float32 else x.float()
+    x = x if x.dtype is torch.float32 else x.float()
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
     return x
@@ -94,7 +95,7 @@ def native_write_kv(
     if not enabled():
         return False
     km, vm = _mode(k_cache, k_scale), _mode(v_cache, v_scale)
-    if km is None or vm is None or slot_mapping.dim() != 1 or slot_mapping.device.type != "cpu":
+    if km is None or vm is None or slot_mapping.dim() != 1 or not slot_mapping.is_cpu:
         return False
     kx, vx = _rows(k, k_cache), _rows(v, v_cache)
     t = slot_mapping.shape[0]
@@ -132,7 +133,7 @@ def native_paged_decode(
     if not enabled():
         return None
     km, vm = _mode(k_cache, k_scale), _mode(v_cache, v_scale)
-    if km is None or vm is None or q.dim() != 3 or q.device.type != "cpu":
+    if km is None or vm is None or q.dim() != 3 or not q.is_cpu:
         return None
     bsz, hq, d = q.shape
     num_pages, page_size, hkv, _ = k_cache.shape
@@ -141,7 +142,7 @@ def native_paged_decode(
         or k_cache.shape[3] != d
         or hq % hkv
         or block_tables.dim() != 2
-        or block_tables.device.type != "cpu"
+        or not block_tables.is_cpu
         or block_tables.shape[0] != bsz
         or context_lens.numel() != bsz
     ):
@@ -170,12 +171,12 @@ def native_paged_decode(
             f"{page_size} (page ids {used[:8]}{'...' if len(used) > 8 else ''}) reads outside "
             f"the table or outside the pool's {num_pages} pages"
         )
-    return out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out if q.dtype is torch.float32 else out.to(q.dtype)
 
 
 def _int32(t: Tensor, name: str) -> Tensor:
     """``t`` as contiguous int32 (the engine passes int32 already); ValueError if values overflow."""
-    if t.dtype != torch.int32:
+    if t.dtype is not torch.int32:
         if t.numel() and (int(t.max()) > 2**31 - 1 or int(t.min()) < -(2**31)):
             raise ValueError(f"{name} holds values beyond int32")
         t = t.to(torch.int32)
