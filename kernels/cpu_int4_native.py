@@ -26,7 +26,9 @@ from torch import Tensor
 
 log = logging.getLogger("pagoda.kernels")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_int4.c", "cpu_attention.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_int4.c", "cpu_attention.c", "cpu_decode_layer.c")
+)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

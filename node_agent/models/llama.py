@@ -6,6 +6,7 @@ one weight format per phase."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantiz
 )
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.models.native_decode import NativeDecode
 from pagoda.node_agent.models.parallel import ColumnShard, TensorParallel
 from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from pagoda.node_agent.models.step_ops import OPS
@@ -33,6 +35,8 @@ from pagoda.node_agent.models.weight_bytes import weight_breakdown
 
 HEAD_FORMATS = ("dense", "int8", "int4")  # the decode phase's LM head (--decode-lm-head)
 HEAD_INT4_GROUP = 32
+
+log = logging.getLogger("pagoda.models")
 
 
 def _to_device(v, device: torch.device):
@@ -210,6 +214,9 @@ class LlamaForCausalLM:
         head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}
         self.lm_head = PhaseLinear(head, None, head_formats, dtype, backend, group_size=HEAD_INT4_GROUP)
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
+        # decode steps as one native call per layer where every layer allows it (CPU, float32, INT4)
+        self.native, self.native_reason = NativeDecode.build(self.layers, dtype, device, self.cos.shape[-1])
+        log.info("native decode layers: %s", "on" if self.native else f"off ({self.native_reason})")
 
     @torch.inference_mode()
     def hidden(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:
@@ -220,6 +227,9 @@ class LlamaForCausalLM:
             else self.tp.embed(b.input_ids, self.embed)
         )
         cos, sin = self.cos[b.positions], self.sin[b.positions]
+        pages = self.native.serves(b, weights_phase or b.phase) if self.native is not None else None
+        if pages is not None:
+            return self.native.run(x, cos, sin, b, pages)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
         return x

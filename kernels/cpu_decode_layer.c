@@ -1,0 +1,126 @@
+/* One decoder layer's decode step in one call, for CPUs: the float32 path of a Llama-family layer
+ * whose four projections are INT4 (the exact float32 kernel of cpu_int4.c) over float32 or FP8 KV
+ * pages (cpu_attention.c). Per call, for T tokens (one per sequence):
+ *
+ *   h = rmsnorm(x) * w_in;  qkv = h @ Wqkv^T;  q, k = rope(q, k);  pages[slots] = k, v;
+ *   a = paged_decode(q);  x += a @ Wo^T;  h = rmsnorm(x) * w_post;  gu = h @ Wgu^T;
+ *   x += (silu(gate) * up) @ Wdown^T
+ *
+ * the same sequence of float32 operations as the torch path (node_agent/models/llama.py); only the
+ * order of the sums inside each norm differs. Replaces ~20 torch calls per layer. The caller
+ * (kernels/cpu_decode_layer_native.py) validates shapes, page ids and slots before the call.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
+                         const void *offsets, int half, int64_t n, int64_t group, float *y, int threads);
+int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
+                    int64_t hk, int64_t dk, void *k_cache, int k_mode, void *k_scale, const float *v,
+                    int64_t v_stride, int64_t hv, int64_t dv, void *v_cache, int v_mode, void *v_scale);
+int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, const void *k_cache, int k_mode,
+                        const void *k_scale, const void *v_cache, int v_mode, const void *v_scale,
+                        int64_t num_pages, int64_t page_size, int64_t hkv, const int32_t *tables, int64_t cols,
+                        const int32_t *lens, float scale, float *out, int threads);
+
+typedef struct {
+    const uint8_t *packed; /* [n, k / 2] */
+    const void *scales, *offsets; /* [n, k / group] float32, or float16 when half */
+    int64_t half, n, k, group;
+} pagoda_i4;
+
+typedef struct {
+    int64_t hidden, hq, hkv, d, inter;
+    float eps;
+    const float *in_norm, *post_norm; /* [hidden] */
+    pagoda_i4 qkv, o, gate_up, down;
+    /* this step's pages: [num_pages, page_size, hkv, d]; modes as cpu_attention.c */
+    void *k_cache, *k_scale, *v_cache, *v_scale;
+    int64_t k_mode, v_mode;
+} pagoda_layer;
+
+typedef struct {
+    int64_t t;              /* tokens (= sequences) */
+    const int64_t *slots;   /* [t] */
+    int64_t num_slots;      /* num_pages * page_size */
+    const float *cos, *sin; /* [t, d] */
+    const int32_t *tables;  /* [t, cols] */
+    int64_t cols;
+    const int32_t *lens; /* [t] */
+    int64_t num_pages, page_size;
+    float scale;    /* softmax scale */
+    float *scratch; /* at least pagoda_decode_scratch_floats(...) */
+    int64_t threads;
+} pagoda_step;
+
+/* floats of scratch one call needs */
+int64_t pagoda_decode_scratch_floats(int64_t t, int64_t hidden, int64_t hq, int64_t hkv, int64_t d, int64_t inter) {
+    int64_t nqkv = (hq + 2 * hkv) * d;
+    return t * (hidden + nqkv + hq * d + hkv * d + hq * d + 2 * inter + inter + hidden);
+}
+
+static void rms_norm(const float *x, const float *w, int64_t t, int64_t n, float eps, float *out) {
+    for (int64_t i = 0; i < t; i++) {
+        const float *r = x + i * n;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < n; j++) ss += r[j] * r[j];
+        const float rstd = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t j = 0; j < n; j++) out[i * n + j] = (r[j] * rstd) * w[j];
+    }
+}
+
+/* rotate-half RoPE of `heads` heads of `d` (rows `stride` floats apart) into dst [t, heads, d] */
+static void rope(const float *src, int64_t stride, int64_t t, int64_t heads, int64_t d, const float *cos,
+                 const float *sin, float *dst) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < t; i++) {
+        const float *c = cos + i * d, *s = sin + i * d;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = src + i * stride + h * d;
+            float *y = dst + (i * heads + h) * d;
+            for (int64_t j = 0; j < half; j++) {
+                y[j] = x[j] * c[j] + (-x[j + half]) * s[j];
+                y[j + half] = x[j + half] * c[j + half] + x[j] * s[j + half];
+            }
+        }
+    }
+}
+
+static int gemm(const pagoda_i4 *w, const float *x, int64_t m, float *y, int threads) {
+    return pagoda_int4_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->half, w->n, w->group, y,
+                                threads);
+}
+
+/* x [t, hidden] is updated in place. Returns 0, or the failing kernel's code (x is then undefined). */
+int pagoda_decode_layer(const pagoda_layer *L, const pagoda_step *S, float *x) {
+    const int64_t t = S->t, hid = L->hidden, d = L->d, hq = L->hq, hkv = L->hkv, inter = L->inter;
+    const int64_t nqkv = (hq + 2 * hkv) * d;
+    const int threads = (int)S->threads;
+    float *h = S->scratch, *qkv = h + t * hid, *q = qkv + t * nqkv, *k = q + t * hq * d, *attn = k + t * hkv * d;
+    float *gu = attn + t * hq * d, *act = gu + t * 2 * inter, *delta = act + t * inter;
+    int rc;
+
+    rms_norm(x, L->in_norm, t, hid, L->eps, h);
+    if ((rc = gemm(&L->qkv, h, t, qkv, threads))) return 10 + rc;
+    rope(qkv, nqkv, t, hq, d, S->cos, S->sin, q);
+    rope(qkv + hq * d, nqkv, t, hkv, d, S->cos, S->sin, k);
+    rc = pagoda_write_kv(t, S->slots, S->num_slots, k, hkv * d, hkv, d, L->k_cache, (int)L->k_mode, L->k_scale,
+                         qkv + (hq + hkv) * d, nqkv, hkv, d, L->v_cache, (int)L->v_mode, L->v_scale);
+    if (rc) return 20;
+    rc = pagoda_paged_decode(q, t, hq, d, L->k_cache, (int)L->k_mode, L->k_scale, L->v_cache, (int)L->v_mode,
+                             L->v_scale, S->num_pages, S->page_size, hkv, S->tables, S->cols, S->lens, S->scale,
+                             attn, threads);
+    if (rc) return 30;
+    if ((rc = gemm(&L->o, attn, t, delta, threads))) return 40 + rc;
+    for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] + delta[i];
+    rms_norm(x, L->post_norm, t, hid, L->eps, h);
+    if ((rc = gemm(&L->gate_up, h, t, gu, threads))) return 50 + rc;
+    for (int64_t i = 0; i < t; i++) {
+        const float *g = gu + i * 2 * inter, *u = g + inter;
+        for (int64_t j = 0; j < inter; j++) act[i * inter + j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+    if ((rc = gemm(&L->down, act, t, delta, threads))) return 60 + rc;
+    for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] + delta[i];
+    return 0;
+}

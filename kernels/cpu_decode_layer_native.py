@@ -1,0 +1,186 @@
+"""ctypes side of ``cpu_decode_layer.c``: a whole decoder layer's decode step as one native call.
+
+``DecodeLayerSpec`` holds one layer's fixed part (norm weights, four INT4 weights) as a C struct
+built once; ``run_decode_layers`` runs every layer of one decode step over the step's pages. The
+caller (node_agent/models/native_decode.py) decides which models and steps this path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .cpu_attention_native import _int32, _mode, _scale_arg
+from .cpu_attention_native import _lib as _attention_lib
+from .int4 import Int4Weight
+
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _I4(ctypes.Structure):
+    _fields_ = [
+        ("packed", _ptr), ("scales", _ptr), ("offsets", _ptr),
+        ("half", _i64), ("n", _i64), ("k", _i64), ("group", _i64),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _i64), ("hq", _i64), ("hkv", _i64), ("d", _i64), ("inter", _i64), ("eps", _f32),
+        ("in_norm", _ptr), ("post_norm", _ptr),
+        ("qkv", _I4), ("o", _I4), ("gate_up", _I4), ("down", _I4),
+        ("k_cache", _ptr), ("k_scale", _ptr), ("v_cache", _ptr), ("v_scale", _ptr),
+        ("k_mode", _i64), ("v_mode", _i64),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("t", _i64), ("slots", _ptr), ("num_slots", _i64), ("cos", _ptr), ("sin", _ptr),
+        ("tables", _ptr), ("cols", _i64), ("lens", _ptr), ("num_pages", _i64), ("page_size", _i64),
+        ("scale", _f32), ("scratch", _ptr), ("threads", _i64),
+    ]  # fmt: skip
+
+
+def library() -> ctypes.CDLL | None:
+    """The native library with this file's functions typed, or None when it is unavailable."""
+    lib = _attention_lib()
+    if lib is None or getattr(lib, "pagoda_decode_layer_ready", False):
+        return lib
+    lib.pagoda_decode_layer.restype = ctypes.c_int
+    lib.pagoda_decode_layer.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr]
+    lib.pagoda_decode_scratch_floats.restype = _i64
+    lib.pagoda_decode_scratch_floats.argtypes = [_i64] * 6
+    lib.pagoda_decode_layer_ready = True
+    return lib
+
+
+def _i4(w: Int4Weight) -> _I4:
+    offsets = w.native_offsets()
+    return _I4(
+        w.packed.data_ptr(), w.scales.data_ptr(), offsets.data_ptr(),
+        int(w.scales.dtype == torch.float16), w.out_features, w.in_features, w.group_size,
+    )  # fmt: skip
+
+
+def int4_servable(w: object) -> bool:
+    """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, scales and
+    offsets of one float dtype, K a multiple of the group."""
+    if not isinstance(w, Int4Weight) or w.packed is None or w.packed.device.type != "cpu":
+        return False
+    if w.scales.dtype not in (torch.float32, torch.float16) or w.in_features % w.group_size:
+        return False
+    return w.native_offsets().dtype == w.scales.dtype
+
+
+@dataclass
+class DecodeLayerSpec:
+    """One layer's fixed inputs; keeps the tensors its C struct points into alive."""
+
+    c: _Layer
+    keep: tuple
+
+    @classmethod
+    def build(
+        cls,
+        hq: int,
+        hkv: int,
+        d: int,
+        eps: float,
+        in_norm: Tensor,
+        post_norm: Tensor,
+        qkv: Int4Weight,
+        o: Int4Weight,
+        gate_up: Int4Weight,
+        down: Int4Weight,
+    ) -> DecodeLayerSpec:
+        hidden, inter = o.out_features, down.in_features
+        shapes = {
+            "qkv": (qkv.out_features, qkv.in_features, (hq + 2 * hkv) * d, hidden),
+            "o": (o.out_features, o.in_features, hidden, hq * d),
+            "gate_up": (gate_up.out_features, gate_up.in_features, 2 * inter, hidden),
+            "down": (down.out_features, down.in_features, hidden, inter),
+        }
+        for name, (n, k, want_n, want_k) in shapes.items():
+            if (n, k) != (want_n, want_k):
+                raise ValueError(f"{name} weight is [{n}, {k}], the layer needs [{want_n}, {want_k}]")
+        norms = (in_norm.float().contiguous(), post_norm.float().contiguous())
+        c = _Layer(
+            hidden, hq, hkv, d, inter, eps, norms[0].data_ptr(), norms[1].data_ptr(),
+            _i4(qkv), _i4(o), _i4(gate_up), _i4(down),
+        )  # fmt: skip
+        return cls(c, (norms, qkv, o, gate_up, down))
+
+
+def page_modes(cache: dict[str, Tensor], scales: dict[str, Tensor]) -> tuple[int, int] | None:
+    """The C modes of a layer's K and V pages, or None when this path does not serve them."""
+    k, v = cache.get("k"), cache.get("v")
+    if k is None or v is None:
+        return None
+    km, vm = _mode(k, scales.get("k")), _mode(v, scales.get("v"))
+    return None if km is None or vm is None else (km, vm)
+
+
+def run_decode_layers(
+    specs: Sequence[DecodeLayerSpec],
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slots: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    pages: Sequence[tuple[dict[str, Tensor], dict[str, Tensor]]],
+    scale: float,
+    threads: int,
+) -> Tensor:
+    """Every layer over ``x [T, hidden]`` (a new tensor is returned). ``pages[i]`` is layer i's
+    (caches, scales). Raises ValueError for slots, lengths or page ids outside the pool."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable")
+    t, first = x.shape[0], specs[0].c
+    hq, hkv, d = first.hq, first.hkv, first.d
+    x = x.float().contiguous().clone()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    slots = slots.long().contiguous()
+    tables = _int32(block_tables, "block_tables")
+    lens = _int32(context_lens.reshape(-1), "context_lens")
+    k0 = pages[0][0]["k"]
+    num_pages, page_size = k0.shape[0], k0.shape[1]
+    if cos.shape != (t, d) or sin.shape != (t, d) or slots.shape != (t,) or tables.shape[0] != t:
+        raise ValueError(
+            f"native decode layer: {t} tokens with cos {tuple(cos.shape)}, slots {tuple(slots.shape)}, "
+            f"tables {tuple(tables.shape)}"
+        )
+    if t and (int(slots.max()) >= num_pages * page_size):
+        raise ValueError(f"slot {int(slots.max())} is beyond the KV pool's {num_pages * page_size} slots")
+    need = lib.pagoda_decode_scratch_floats(t, first.hidden, hq, hkv, d, first.inter)
+    scratch = torch.empty(need, dtype=torch.float32)
+    step = _Step(
+        t, slots.data_ptr(), num_pages * page_size, cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), num_pages, page_size, scale, scratch.data_ptr(), threads,
+    )  # fmt: skip
+    for i, (spec, (cache, page_scales)) in enumerate(zip(specs, pages, strict=True)):
+        km, vm = page_modes(cache, page_scales) or (None, None)
+        if km is None or cache["k"].shape[:2] != (num_pages, page_size):
+            raise ValueError(f"layer {i}: pages this path does not serve")
+        ks, vs = _scale_arg(km, page_scales.get("k")), _scale_arg(vm, page_scales.get("v"))
+        c = spec.c
+        c.k_cache, c.v_cache = cache["k"].data_ptr(), cache["v"].data_ptr()
+        c.k_scale, c.v_scale = (
+            (None if ks is None else ks.data_ptr()),
+            (None if vs is None else vs.data_ptr()),
+        )
+        c.k_mode, c.v_mode = km, vm
+        rc = lib.pagoda_decode_layer(ctypes.byref(c), ctypes.byref(step), x.data_ptr())
+        if rc == 20:
+            raise ValueError(f"layer {i}: a slot lies outside the KV pool")
+        if rc == 30:
+            raise ValueError(f"layer {i}: a context length or page id lies outside the block table or pool")
+        if rc:
+            raise RuntimeError(f"native decode layer {i} failed (code {rc})")
+    return x

@@ -1,0 +1,120 @@
+"""The decode step's layers as one native call each, where the model and the step allow it.
+
+On a CPU in float32, a Llama-family layer whose decode weights are all INT4 (the exact float32
+kernel) over float32 or FP8 pages runs as ``kernels/cpu_decode_layer.c``: the same float32
+operations as the torch path, without ~20 torch calls per layer. Everything else (other formats
+or families, tensor parallelism, bfloat16 pages, the reference kernels, ``PAGODA_NATIVE_DECODE=0``)
+runs the torch path; ``NativeDecode.build`` says why a model is not served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pagoda.kernels.cpu_decode_layer_native import (
+    DecodeLayerSpec,
+    int4_servable,
+    library,
+    page_modes,
+    run_decode_layers,
+)
+from pagoda.kernels.dispatch import record, select_backend
+from pagoda.kernels.linear import Int4Linear
+from pagoda.node_agent.models.batch import StepBatch
+from pagoda.node_agent.models.layers import DenseMLP
+
+DecoderLayer = Any  # models/llama.py's DecoderLayer (which imports this module)
+
+log = logging.getLogger("pagoda.models")
+
+ENV_VAR = "PAGODA_NATIVE_DECODE"
+
+
+def _int4(linear) -> object | None:
+    """The decode phase's INT4 weight of a PhaseLinear, when the native layer can run it."""
+    w = None if linear is None else linear.by_phase.get("decode")
+    if not isinstance(w, Int4Linear) or w.bias is not None or w.weight.cpu_compute != "float32":
+        return None
+    return w.weight if int4_servable(w.weight) else None
+
+
+def _layer_spec(layer: DecoderLayer) -> DecodeLayerSpec | str:
+    cfg = layer.cfg
+    if layer.mla is not None:
+        return "latent attention (MLA)"
+    if layer.tp is not None:
+        return "tensor parallelism"
+    if not isinstance(layer.mlp, DenseMLP) or layer.mlp.gate_up_proj is None:
+        return "a mixture-of-experts or unfused MLP"
+    if layer.qkv_proj is None or layer.q_norm is not None:
+        return "unfused q/k/v projections or q/k norms"
+    weights = {
+        "qkv": _int4(layer.qkv_proj),
+        "o": _int4(layer.o_proj),
+        "gate_up": _int4(layer.mlp.gate_up_proj),
+        "down": _int4(layer.mlp.down_proj),
+    }
+    missing = [name for name, w in weights.items() if w is None]
+    if missing:
+        return f"decode weights not float32-computed INT4 without bias ({', '.join(missing)})"
+    in_w, eps = layer.input_norm.args()
+    post_w, post_eps = layer.post_norm.args()
+    if eps != post_eps:
+        return "different norm epsilons"
+    return DecodeLayerSpec.build(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, in_w, post_w, **weights)
+
+
+class NativeDecode:
+    """Specs of every layer, and the per-step choice between this path and the torch one."""
+
+    def __init__(self, specs: list[DecodeLayerSpec], head_dim: int) -> None:
+        self.specs = specs
+        self.scale = head_dim**-0.5
+
+    @classmethod
+    def build(cls, layers: list[DecoderLayer], dtype: torch.dtype, device: torch.device, rope_dims: int):
+        """(NativeDecode, "") when every layer can run natively, else (None, the reason)."""
+        if os.environ.get(ENV_VAR, "1") == "0":
+            return None, f"{ENV_VAR}=0"
+        if device.type != "cpu" or dtype != torch.float32:
+            return None, "not float32 on a CPU"
+        if not layers or rope_dims != layers[0].cfg.head_dim or layers[0].cfg.head_dim % 2:
+            return None, "partial RoPE"
+        if library() is None:
+            return None, "the native CPU kernels are unavailable"
+        specs = []
+        for layer in layers:
+            spec = _layer_spec(layer)
+            if isinstance(spec, str):
+                return None, f"layer {layer.idx}: {spec}"
+            specs.append(spec)
+        return cls(specs, layers[0].cfg.head_dim), ""
+
+    def serves(self, b: StepBatch, weights_phase: str) -> list | None:
+        """This step's (caches, scales) per layer when the native path runs it, else None."""
+        if b.phase != "decode" or weights_phase != "decode" or os.environ.get(ENV_VAR, "1") == "0":
+            return None
+        if select_backend(b.input_ids.device, b.kernel_backend) != "cpu":
+            return None
+        pages = [(b.kv.layer_cache(i), b.kv.layer_scales(i)) for i in range(len(self.specs))]
+        return pages if page_modes(*pages[0]) is not None else None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, pages: list):
+        """Every layer of this decode step -> the last hidden states [T, hidden]."""
+        record("decode_layers", "native")
+        return run_decode_layers(
+            self.specs,
+            x,
+            cos,
+            sin,
+            b.slot_mapping,
+            b.block_tables,
+            b.context_lens,
+            pages,
+            self.scale,
+            torch.get_num_threads(),
+        )
