@@ -252,18 +252,36 @@ def test_scalar_build_matches_the_vector_one(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch):
     """Default formats (FP8 per-token K pages in decode): the same tokens with the native path on
-    and off."""
+    and off. The whole-layer native decode (``PAGODA_NATIVE_DECODE``), where present, would run
+    decode attention itself: it is off here so that these kernels serve the decode steps."""
     from pagoda.node_agent.engine.config import PhaseFormats
     from pagoda.node_agent.engine.sequence import SamplingParams
 
+    monkeypatch.setenv("PAGODA_NATIVE_DECODE", "0")
+    served = []
+    real = pa.native_paged_decode
+
+    def spy(*args):
+        out = real(*args)
+        served.append(out is not None and args[1].dtype == FP8_DTYPE)
+        return out
+
+    monkeypatch.setattr(pa, "native_paged_decode", spy)
     engine = make_engine(formats=PhaseFormats(), enable_prefix_caching=False)
     prompts = ["The quick brown fox", "In 1969, the first humans landed on", "def add(a, b):\n    "]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     runs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(native.ENV_VAR, flag)
-        rids = [engine.add_request(p, params) for p in prompts]
-        final = engine.run_until_done()
-        runs.append([final[r].token_ids for r in rids])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a busy 2-core machine stalls every 2-thread op of the torch path
+    try:
+        for flag in ("0", "1"):
+            monkeypatch.setenv(native.ENV_VAR, flag)
+            served.clear()
+            rids = [engine.add_request(p, params) for p in prompts]
+            final = engine.run_until_done()
+            runs.append([final[r].token_ids for r in rids])
+    finally:
+        torch.set_num_threads(threads)
+    assert served and all(served)  # the native decode ran every decode step over the FP8 pool
     assert all(len(t) == 16 for t in runs[1])
     assert runs[0] == runs[1]
