@@ -116,6 +116,40 @@ DEFINE_FUSED_ROWS(5)
 DEFINE_FUSED_ROWS(6)
 DEFINE_FUSED_ROWS(7)
 DEFINE_FUSED_ROWS(8)
+/* the same for two rows of W at once (r and r + 1, `wstride` bytes apart in the packed weights and
+ * `pstride` bytes in the parameters) over 8 rows of x: each load of x feeds two accumulators */
+static void fused_pair_8(const uint8_t *p, const void *s, const void *o, int half, int64_t k, int64_t group,
+                         const float *xe, const float *xo, int64_t h, float *out, int64_t stride, int64_t wstride,
+                         int64_t pstride) {
+    __m512 a0[8], a1[8];
+    for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m128i low = _mm_set1_epi8(15);
+    const void *s1 = (const char *)s + pstride, *o1 = (const char *)o + pstride;
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g0 / group, half))),
+                                        _mm512_set1_ps(param(o, g0 / group, half)));
+        const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s1, g0 / group, half))),
+                                        _mm512_set1_ps(param(o1, g0 / group, half)));
+        for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + j));
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)(p + wstride + j));
+            const __m512 we0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low)), t0);
+            const __m512 wo0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), low)), t0);
+            const __m512 we1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low)), t1);
+            const __m512 wo1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), low)), t1);
+            for (int i = 0; i < 8; i++) {
+                const __m512 e = _mm512_loadu_ps(xe + i * h + j), d = _mm512_loadu_ps(xo + i * h + j);
+                a0[i] = _mm512_fmadd_ps(wo0, d, _mm512_fmadd_ps(we0, e, a0[i]));
+                a1[i] = _mm512_fmadd_ps(wo1, d, _mm512_fmadd_ps(we1, e, a1[i]));
+            }
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        out[i * stride] = _mm512_reduce_add_ps(a0[i]);
+        out[i * stride + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
 typedef void (*fused_fn)(const uint8_t *, const void *, const void *, int, int64_t, int64_t, const float *,
                          const float *, int64_t, float *, int64_t);
 static const fused_fn FUSED[9] = {0,           fused_rows_1, fused_rows_2, fused_rows_3, fused_rows_4,
@@ -145,13 +179,23 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
 #ifdef __AVX512F__
     /* a few rows of x: dequantize into registers (each row of W once per 8 rows of x) */
     if (group % 32 == 0 && m <= FUSED_MAX_M) {
+        const int64_t pstride = groups * (half ? 2 : 4); /* bytes of one row's parameters */
+        const int64_t pairs = m >= 8 ? n / 2 : 0;         /* rows of W taken two at a time */
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t r = 0; r < n; r++) {
-            const int64_t at = r * groups * (half ? 2 : 4);
+        for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
+            const int64_t r = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
+            const int64_t at = r * pstride;
             for (int64_t i = 0; i < m;) {
                 const int rows = m - i < 8 ? (int)(m - i) : 8;
-                FUSED[rows](packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group,
-                            xe + i * h, xo + i * h, h, y + i * n + r, n);
+                if (u < pairs && rows == 8) {
+                    fused_pair_8(packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group,
+                                 xe + i * h, xo + i * h, h, y + i * n + r, n, h, pstride);
+                } else {
+                    for (int64_t w = r; w < (u < pairs ? r + 2 : r + 1); w++)
+                        FUSED[rows](packed + w * h, (const char *)scales + w * pstride,
+                                    (const char *)offsets + w * pstride, half, k, group, xe + i * h, xo + i * h, h,
+                                    y + i * n + w, n);
+                }
                 i += rows;
             }
         }
