@@ -296,6 +296,31 @@ DEFINE_FUSED_I8(5)
 DEFINE_FUSED_I8(6)
 DEFINE_FUSED_I8(7)
 DEFINE_FUSED_I8(8)
+/* two rows of W (`wstride` int8 apart) over 8 rows of x: each load of x feeds two accumulators */
+static void fused_i8_pair_8(const int8_t *q, const uint16_t *s, int64_t k, int64_t group, const float *x, float *out,
+                            int64_t stride, int64_t wstride) {
+    __m512 a0[8], a1[8];
+    for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    const int64_t groups = k / group;
+    for (int64_t g0 = 0; g0 < k; g0 += group) {
+        const __m512 s0 = _mm512_set1_ps(_cvtsh_ss(s[g0 / group])), s1 = _mm512_set1_ps(_cvtsh_ss(s[groups + g0 / group]));
+        for (int64_t j = g0; j < g0 + group; j += 16) {
+            const __m512 w0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))), s0);
+            const __m512 w1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + wstride + j)))), s1);
+            for (int i = 0; i < 8; i++) {
+                const __m512 xv = _mm512_loadu_ps(x + i * k + j);
+                a0[i] = _mm512_fmadd_ps(w0, xv, a0[i]);
+                a1[i] = _mm512_fmadd_ps(w1, xv, a1[i]);
+            }
+        }
+    }
+    for (int i = 0; i < 8; i++) {
+        out[i * stride] = _mm512_reduce_add_ps(a0[i]);
+        out[i * stride + 1] = _mm512_reduce_add_ps(a1[i]);
+    }
+}
 typedef void (*fused_i8_fn)(const int8_t *, const uint16_t *, int64_t, int64_t, const float *, float *, int64_t);
 static const fused_i8_fn FUSED_I8[9] = {0,          fused_i8_1, fused_i8_2, fused_i8_3, fused_i8_4,
                                         fused_i8_5, fused_i8_6, fused_i8_7, fused_i8_8};
@@ -311,11 +336,19 @@ int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, 
     int failed = 0;
 #if defined(__AVX512F__) && defined(__F16C__)
     if (group % 16 == 0 && m <= FUSED_MAX_M) {
+        const int64_t pairs = m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t i = 0; i < m; i += 8)
-                FUSED_I8[m - i < 8 ? (int)(m - i) : 8](q + r * k, scales + r * groups, k, group, x + i * k,
-                                                        y + i * n + r, n);
+        for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
+            const int64_t r = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
+            for (int64_t i = 0; i < m; i += 8) {
+                const int rows = m - i < 8 ? (int)(m - i) : 8;
+                if (u < pairs && rows == 8)
+                    fused_i8_pair_8(q + r * k, scales + r * groups, k, group, x + i * k, y + i * n + r, n, k);
+                else
+                    for (int64_t w = r; w < (u < pairs ? r + 2 : r + 1); w++)
+                        FUSED_I8[rows](q + w * k, scales + w * groups, k, group, x + i * k, y + i * n + w, n);
+            }
+        }
         return 0;
     }
 #endif

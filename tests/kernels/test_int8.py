@@ -67,12 +67,12 @@ def test_exact_blocks_hold_q8_0_weights_and_refuse_others():
 
 @pytest.mark.parametrize("m", [1, 5, 9, 16, 17])  # fused (<= 16 rows, blocks of 8) and buffered
 def test_native_block_kernel_matches_the_float32_weights(m):
-    w = q8_blocks(64, 160, seed=m)
+    w = q8_blocks(65, 160, seed=m)  # odd N: rows of W in pairs and one alone
     qw = Int8Weight.exact_blocks(w)
     x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
     out = int8_linear(x, qw, backend="cpu")
     ref = x @ w.t()
-    assert out.dtype == torch.float32 and out.shape == (m, 64)
+    assert out.dtype == torch.float32 and out.shape == (m, 65)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # float32 arithmetic, exact weights
     torch.testing.assert_close(int8_linear(x, qw, backend="reference"), ref, rtol=1e-5, atol=1e-5)
 
