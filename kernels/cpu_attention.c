@@ -301,6 +301,8 @@ static inline float row_scale(const kv_part *p, int64_t slot, int64_t hkv, int64
     return s * HALF_BIAS;
 }
 
+/* One (sequence, KV head) pair, row by row through buffers: the path of CPUs without AVX-512 BW/VL
+ * (and of empty sequences). Buffers: qs [g * dp], row [dp], acc [g * dp], scores [g * len]. */
 static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const kv_part *kp, const kv_part *vp,
                         int64_t page_size, int64_t hkv, const int32_t *table, int64_t len, float scale, int64_t b,
                         int64_t h, float *out, float *buf) {
