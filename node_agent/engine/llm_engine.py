@@ -86,6 +86,8 @@ class LLMEngine:
                 self.dtype,
                 config.int4_group_size,
                 int4_compute=config.int4_compute,
+                # auto keeps a dense head on CUDA; a prefill worker holds only the dense one
+                decode_head_format="dense" if config.role == "prefill" else config.decode_lm_head,
             )
             check_weights_fit(est, self.device)
         self.model = build_model(config, loaded, self.dtype, self.device, self.group)

@@ -64,6 +64,8 @@ def linear_bytes(
     numel, rows, cols = _shape(w)
     if fmt == "fp32":
         return numel * 4
+    if fmt == "int8":  # the decode LM head: int8 with a float16 scale per 32 (exact blocks; per row is less)
+        return numel + (numel // 32) * 2
     if fmt == "fp8":
         return numel + rows * 4
     if fmt == "int4":
@@ -88,9 +90,11 @@ def estimate_weight_bytes(
     group_size: int | None = None,
     head_format: str = "bf16",
     int4_compute: str = "float32",
+    decode_head_format: str = "dense",
 ) -> WeightEstimate:
     """Bytes the built model will hold: every 2-D (or stacked 3-D) block weight once per distinct phase
-    format, routers in float32, embeddings, the LM head and 1-D tensors (norms, biases) in ``dtype``."""
+    format, routers in float32, embeddings, the LM head and 1-D tensors (norms, biases) in ``dtype``;
+    a packed decode LM head (``decode_head_format`` int8 or int4) beside the dense one."""
     by_format: dict[str, int] = {}
     elem = torch.empty((), dtype=dtype).element_size()
     dense = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
@@ -98,14 +102,19 @@ def estimate_weight_bytes(
     def add(fmt: str, n: int) -> None:
         by_format[fmt] = by_format.get(fmt, 0) + n
 
+    def add_head(w: object) -> None:
+        add(head_format, linear_bytes(w, head_format, dtype))
+        if decode_head_format in ("int8", "int4"):
+            add(decode_head_format, linear_bytes(w, decode_head_format, dtype, 32, int4_compute))
+
     held = sorted(set(formats[p] for p in PHASES))
     for name, w in weights.items():
         if name == EMBEDDING:
             add(dense, _shape(w)[0] * elem)
             if HEAD not in weights:  # tied: the head is built from the embeddings
-                add(head_format, linear_bytes(w, head_format, dtype))
+                add_head(w)
         elif name == HEAD:
-            add(head_format, linear_bytes(w, head_format, dtype))
+            add_head(w)
         elif name.endswith(DENSE_ALWAYS):  # MLA's kv_b_proj: dense in both phases (absorbed W_UK/W_UV)
             add("bf16", linear_bytes(w, "bf16", dtype))
         elif name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"):

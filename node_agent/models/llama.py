@@ -209,6 +209,7 @@ class LlamaForCausalLM:
         # (group 32); auto: int8 where it loses nothing and a native kernel runs it, else dense
         if decode_head_format == "auto":
             decode_head_format = lossless_head_format(head, dtype, device)
+        self.decode_head_format = decode_head_format  # as built: dense, int8 or int4
         decode_head = "bf16" if decode_head_format == "dense" else decode_head_format
         # (a decode-only worker runs its rare prefill-phase steps on the decode head too)
         head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}

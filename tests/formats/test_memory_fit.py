@@ -58,7 +58,11 @@ def test_a_configured_budget_shorter_than_a_sequence_serves_with_a_warning(make_
 def test_weight_estimate_matches_what_the_built_model_holds(builtin_loaded, engine, int4_fp8_engine) -> None:
     for eng in (engine, int4_fp8_engine):
         est = estimate_weight_bytes(
-            builtin_loaded.weights, phase_weight_formats(eng.config), eng.dtype, eng.config.int4_group_size
+            builtin_loaded.weights,
+            phase_weight_formats(eng.config),
+            eng.dtype,
+            eng.config.int4_group_size,
+            decode_head_format=eng.model.decode_head_format,
         )
         held = eng.model.weight_bytes()
         assert est.total == sum(est.by_format.values())
