@@ -31,7 +31,11 @@ def test_dense_model_parts_match_its_shapes(engine) -> None:
     assert wb["experts"] == 0
     assert wb["embeddings"] >= 2 * 4 * c.vocab_size * h  # embeddings + (tied) head, as held
     assert wb["other"] == 4 * h * (2 * n + 1)  # two norms a layer + the final norm
-    assert set(wb["by_format"]) == {"bf16", "fp32"}  # linear layers by format; embeddings, norms by dtype
+    # linear layers by format; embeddings, norms by dtype; the decode head (auto) holds the file's Q8_0
+    # blocks exactly: a byte a weight and a float16 scale per 32
+    assert set(wb["by_format"]) == {"bf16", "fp32", "int8"}
+    assert engine.model.decode_head_format == "int8"
+    assert wb["by_format"]["int8"] == c.vocab_size * h + c.vocab_size * h // 32 * 2
     assert wb["by_format"]["fp32"] == 4 * c.vocab_size * h + wb["other"]
 
 
