@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_math.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -229,24 +231,8 @@ static inline void axpy(float w, const float *x, float *y, int64_t dp) {
 }
 
 #ifdef __AVX512F__
-/* e**x for x <= 0 (scores minus their max), within a few float32 ulp: x = n ln2 + r, |r| <= ln2 / 2,
- * a degree-7 Taylor polynomial of e**r (truncation < 6e-9), then scaled by 2**n (0 below ~-103). */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln2 in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+/* e**x for x <= 0 (scores minus their max): the shared vector exp of cpu_math.h */
+static inline __m512 exp_neg(__m512 x) { return pagoda_exp512(x); }
 #endif
 
 /* s[0..n) <- softmax(s), max-subtracted, in float32 (n >= 1). */

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
                          const void *offsets, int half, int64_t n, int64_t group, float *y, int threads);
 int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
@@ -64,7 +66,16 @@ static void rms_norm(const float *x, const float *w, int64_t t, int64_t n, float
     for (int64_t i = 0; i < t; i++) {
         const float *r = x + i * n;
         float ss = 0.0f;
-        for (int64_t j = 0; j < n; j++) ss += r[j] * r[j];
+        int64_t j0 = 0;
+#ifdef __AVX512F__
+        __m512 acc = _mm512_setzero_ps();
+        for (; j0 + 16 <= n; j0 += 16) {
+            const __m512 v = _mm512_loadu_ps(r + j0);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (int64_t j = j0; j < n; j++) ss += r[j] * r[j];
         const float rstd = 1.0f / sqrtf(ss / (float)n + eps);
         for (int64_t j = 0; j < n; j++) out[i * n + j] = (r[j] * rstd) * w[j];
     }
@@ -85,6 +96,20 @@ static void rope(const float *src, int64_t stride, int64_t t, int64_t heads, int
             }
         }
     }
+}
+
+/* out = silu(g) * u = g / (1 + e**-g) * u */
+static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(g + j);
+        const __m512 e = pagoda_exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < n; j++) out[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
 }
 
 static int gemm(const pagoda_i4 *w, const float *x, int64_t m, float *y, int threads) {
@@ -116,10 +141,7 @@ int pagoda_decode_layer(const pagoda_layer *L, const pagoda_step *S, float *x) {
     for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] + delta[i];
     rms_norm(x, L->post_norm, t, hid, L->eps, h);
     if ((rc = gemm(&L->gate_up, h, t, gu, threads))) return 50 + rc;
-    for (int64_t i = 0; i < t; i++) {
-        const float *g = gu + i * 2 * inter, *u = g + inter;
-        for (int64_t j = 0; j < inter; j++) act[i * inter + j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
-    }
+    for (int64_t i = 0; i < t; i++) silu_mul(gu + i * 2 * inter, gu + i * 2 * inter + inter, inter, act + i * inter);
     if ((rc = gemm(&L->down, act, t, delta, threads))) return 60 + rc;
     for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] + delta[i];
     return 0;

@@ -26,6 +26,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagoda.kernels")
 
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_math.h",))  # hashed, not compiled
 SOURCES = tuple(
     Path(__file__).with_name(name) for name in ("cpu_int4.c", "cpu_attention.c", "cpu_decode_layer.c")
 )
@@ -41,7 +42,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL:
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
