@@ -101,7 +101,7 @@ class NativeDecode:
         if select_backend(b.input_ids.device, b.kernel_backend) != "cpu":
             return None
         pages = [(b.kv.layer_cache(i), b.kv.layer_scales(i)) for i in range(len(self.specs))]
-        return pages if page_modes(*pages[0]) is not None else None
+        return pages if all(page_modes(*p) is not None for p in pages) else None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, pages: list):
         """Every layer of this decode step -> the last hidden states [T, hidden]."""
