@@ -11,17 +11,13 @@ from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
 from pagoda.node_agent.engine.config import PhaseFormats
 from pagoda.node_agent.engine.sequence import SamplingParams
 
-from .prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from .prompts import greedy_ids
 
 NEW_TOKENS = 24
 
 
 def _greedy(engine) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    rids = [engine.add_request(p, params, chat=True) for p in CHAT_PROMPTS]
-    rids += [engine.add_request(p, params) for p in PLAIN_PROMPTS]
-    final = engine.run_until_done()
-    return [final[r].token_ids for r in rids]
+    return greedy_ids(engine, NEW_TOKENS)
 
 
 @pytest.mark.slow

@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 
 from pagoda.node_agent.engine.config import PhaseFormats
-from pagoda.node_agent.engine.sequence import SamplingParams
 
-from ..engine.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
+from ..engine.prompts import greedy_ids
 
 NEW_TOKENS = 32
 
 
 def _greedy(engine) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    rids = [engine.add_request(p, params, chat=True) for p in CHAT_PROMPTS]
-    rids += [engine.add_request(p, params) for p in PLAIN_PROMPTS]
-    final = engine.run_until_done()
-    return [final[r].token_ids for r in rids]
+    return greedy_ids(engine, NEW_TOKENS)
 
 
 @pytest.mark.slow
