@@ -2,7 +2,8 @@
  * whose four projections are INT4 (the exact float32 kernel of cpu_int4.c) over float32 or FP8 KV
  * pages (cpu_attention.c). Per call, for T tokens (one per sequence):
  *
- *   h = rmsnorm(x) * w_in;  qkv = h @ Wqkv^T;  q, k = rope(q, k);  pages[slots] = k, v;
+ *   h = rmsnorm(x) * w_in;  qkv = h @ Wqkv^T (+ bias);  (q, k = per-head rmsnorm);
+ *   q, k = rope(q, k);  pages[slots] = k, v;
  *   a = paged_decode(q);  x += a @ Wo^T;  h = rmsnorm(x) * w_post;  gu = h @ Wgu^T;
  *   x += (silu(gate) * up) @ Wdown^T
  *
@@ -40,6 +41,8 @@ typedef struct {
     /* this step's pages: [num_pages, page_size, hkv, d]; modes as cpu_attention.c */
     void *k_cache, *k_scale, *v_cache, *v_scale;
     int64_t k_mode, v_mode;
+    const float *qkv_bias;       /* [(hq + 2 hkv) d] or NULL (Qwen2) */
+    const float *q_norm, *k_norm; /* [d] each or NULL (Qwen3: RMSNorm of every q and k head) */
 } pagoda_layer;
 
 typedef struct {
@@ -128,6 +131,15 @@ int pagoda_decode_layer(const pagoda_layer *L, const pagoda_step *S, float *x) {
 
     rms_norm(x, L->in_norm, t, hid, L->eps, h);
     if ((rc = gemm(&L->qkv, h, t, qkv, threads))) return 10 + rc;
+    if (L->qkv_bias)
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < nqkv; j++) qkv[i * nqkv + j] = qkv[i * nqkv + j] + L->qkv_bias[j];
+    if (L->q_norm && L->k_norm)
+        for (int64_t i = 0; i < t; i++) {
+            float *row = qkv + i * nqkv;
+            rms_norm(row, L->q_norm, hq, d, L->eps, row); /* in place: each head's sum is taken first */
+            rms_norm(row + hq * d, L->k_norm, hkv, d, L->eps, row + hq * d);
+        }
     rope(qkv, nqkv, t, hq, d, S->cos, S->sin, q);
     rope(qkv + hq * d, nqkv, t, hkv, d, S->cos, S->sin, k);
     rc = pagoda_write_kv(t, S->slots, S->num_slots, k, hkv * d, hkv, d, L->k_cache, (int)L->k_mode, L->k_scale,

@@ -35,6 +35,7 @@ class _Layer(ctypes.Structure):
         ("qkv", _I4), ("o", _I4), ("gate_up", _I4), ("down", _I4),
         ("k_cache", _ptr), ("k_scale", _ptr), ("v_cache", _ptr), ("v_scale", _ptr),
         ("k_mode", _i64), ("v_mode", _i64),
+        ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
     ]  # fmt: skip
 
 
@@ -97,6 +98,8 @@ class DecodeLayerSpec:
         o: Int4Weight,
         gate_up: Int4Weight,
         down: Int4Weight,
+        qkv_bias: Tensor | None = None,
+        qk_norms: tuple[Tensor, Tensor] | None = None,
     ) -> DecodeLayerSpec:
         hidden, inter = o.out_features, down.in_features
         shapes = {
@@ -113,7 +116,22 @@ class DecodeLayerSpec:
             hidden, hq, hkv, d, inter, eps, norms[0].data_ptr(), norms[1].data_ptr(),
             _i4(qkv), _i4(o), _i4(gate_up), _i4(down),
         )  # fmt: skip
-        return cls(c, (norms, qkv, o, gate_up, down))
+        extra: list[Tensor] = []
+        if qkv_bias is not None:
+            bias = qkv_bias.float().contiguous()
+            if bias.shape != ((hq + 2 * hkv) * d,):
+                raise ValueError(f"qkv bias is {tuple(bias.shape)}, the layer needs [{(hq + 2 * hkv) * d}]")
+            c.qkv_bias = bias.data_ptr()
+            extra.append(bias)
+        if qk_norms is not None:
+            qn, kn = (w.float().contiguous() for w in qk_norms)
+            if qn.shape != (d,) or kn.shape != (d,):
+                raise ValueError(
+                    f"q/k norm weights are {tuple(qn.shape)}, {tuple(kn.shape)}; the layer needs [{d}]"
+                )
+            c.q_norm, c.k_norm = qn.data_ptr(), kn.data_ptr()
+            extra += [qn, kn]
+        return cls(c, (norms, qkv, o, gate_up, down, *extra))
 
 
 def page_modes(cache: dict[str, Tensor], scales: dict[str, Tensor]) -> tuple[int, int] | None:

@@ -34,10 +34,12 @@ log = logging.getLogger("pagoda.models")
 ENV_VAR = "PAGODA_NATIVE_DECODE"
 
 
-def _int4(linear) -> object | None:
+def _int4(linear, bias_ok: bool = False) -> object | None:
     """The decode phase's INT4 weight of a PhaseLinear, when the native layer can run it."""
     w = None if linear is None else linear.by_phase.get("decode")
-    if not isinstance(w, Int4Linear) or w.bias is not None or w.weight.cpu_compute != "float32":
+    if not isinstance(w, Int4Linear) or w.weight.cpu_compute != "float32":
+        return None
+    if w.bias is not None and not bias_ok:
         return None
     return w.weight if int4_servable(w.weight) else None
 
@@ -50,22 +52,32 @@ def _layer_spec(layer: DecoderLayer) -> DecodeLayerSpec | str:
         return "tensor parallelism"
     if not isinstance(layer.mlp, DenseMLP) or layer.mlp.gate_up_proj is None:
         return "a mixture-of-experts or unfused MLP"
-    if layer.qkv_proj is None or layer.q_norm is not None:
-        return "unfused q/k/v projections or q/k norms"
+    if layer.qkv_proj is None:
+        return "unfused q/k/v projections"
     weights = {
-        "qkv": _int4(layer.qkv_proj),
+        "qkv": _int4(layer.qkv_proj, bias_ok=True),
         "o": _int4(layer.o_proj),
         "gate_up": _int4(layer.mlp.gate_up_proj),
         "down": _int4(layer.mlp.down_proj),
     }
     missing = [name for name, w in weights.items() if w is None]
     if missing:
-        return f"decode weights not float32-computed INT4 without bias ({', '.join(missing)})"
+        return f"decode weights not float32-computed INT4, or biased beyond q/k/v ({', '.join(missing)})"
     in_w, eps = layer.input_norm.args()
     post_w, post_eps = layer.post_norm.args()
-    if eps != post_eps:
+    norms = [post_eps]
+    qk_norms = None
+    if layer.q_norm is not None:
+        (qn, q_eps), (kn, k_eps) = layer.q_norm.args(), layer.k_norm.args()
+        norms += [q_eps, k_eps]
+        qk_norms = (qn, kn)
+    if any(e != eps for e in norms):
         return "different norm epsilons"
-    return DecodeLayerSpec.build(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, in_w, post_w, **weights)
+    bias = layer.qkv_proj.by_phase["decode"].bias
+    return DecodeLayerSpec.build(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, in_w, post_w, **weights,
+        qkv_bias=bias, qk_norms=qk_norms,
+    )  # fmt: skip
 
 
 class NativeDecode:

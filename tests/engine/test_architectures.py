@@ -96,3 +96,50 @@ def test_greedy_decode_matches_transformers(tiny_model):
             torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     assert got == out[0, len(ids) :].tolist(), arch
+
+
+def _decode_logits(engine, ids: list[int]) -> torch.Tensor:
+    """The logits of one decode step (the last token of ``ids``) after a prefill of the others."""
+    from pagoda.node_agent.engine.scheduler import ScheduledStep
+    from pagoda.node_agent.engine.sequence import Sequence
+
+    runner, pool = engine.runner, engine.pool
+    seq = Sequence("native-check", ids, SamplingParams(max_tokens=1))
+    seq.block_table = pool.allocate_pages(-(-len(ids) // pool.page_size))
+    try:
+        batch, _ = runner.build_batch(ScheduledStep("prefill", [seq], [len(ids) - 1]), pool)
+        runner.forward(batch, pool, logits=False)
+        seq.num_computed_tokens = len(ids) - 1
+        batch, _ = runner.build_batch(ScheduledStep("decode", [seq], [1]), pool)
+        assert batch.phase == "decode"
+        return runner.forward(batch, pool)
+    finally:
+        pool.release_all(seq.block_table)
+
+
+def test_native_decode_layer_matches_the_torch_path(tiny_model, monkeypatch):
+    """INT4 decode weights over float32 pages: every family here runs the native decode layer (Qwen2's
+    q/k/v biases and Qwen3's q/k norms included), and a decode step's logits equal the torch path's
+    within float32 rounding (a random tiny model's tokens barely depend on its logits)."""
+    from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
+
+    arch, _, ref = tiny_model
+    engine = LLMEngine(
+        EngineConfig(
+            model=ref.config.model,
+            dtype="float32",
+            formats=PhaseFormats("bf16", "bf16", "int4", "bf16"),
+            kv_memory=8 << 20,
+        )
+    )
+    assert engine.model.native is not None, f"{arch}: {engine.model.native_reason}"
+    ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 2)
+    reset_kernel_stats()
+    native = _decode_logits(engine, ids)
+    assert kernel_stats().get("decode_layers/native") == 1
+    monkeypatch.setenv("PAGODA_NATIVE_DECODE", "0")
+    reset_kernel_stats()
+    torch_path = _decode_logits(engine, ids)
+    assert "decode_layers/native" not in kernel_stats()
+    scale = torch_path.abs().max().item()
+    assert (native - torch_path).abs().max().item() <= 1e-5 * scale, arch
