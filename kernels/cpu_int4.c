@@ -19,7 +19,7 @@
 #define FUSED_MAX_M 16
 #endif
 
-/* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
+/* parameter i of a row: a float32, or a float16 (half) */
 static inline float param(const void *p, int64_t i, int half) {
 #ifdef __F16C__
     if (half) return _cvtsh_ss(((const uint16_t *)p)[i]);
@@ -27,6 +27,28 @@ static inline float param(const void *p, int64_t i, int half) {
     return ((const float *)p)[i];
 }
 
+#ifdef __AVX512F__
+/* group g's 16 possible weights, q * scale + offset (two roundings, as the reference), to be looked
+ * up by nibble: one permute per 16 weights instead of a convert, a multiply and an add */
+static inline __m512 group_table(const void *s, const void *o, int64_t g, int half) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g, half))), _mm512_set1_ps(param(o, g, half)));
+}
+
+/* 16 packed bytes -> the weights of their low nibbles (even k) and of their high nibbles (odd k) */
+static inline void lookup16(const uint8_t *p, __m512 table, __m512 *we, __m512 *wo) {
+    const __m128i low = _mm_set1_epi8(15), b = _mm_loadu_si128((const __m128i *)p);
+    *we = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)), table);
+    *wo = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)), table);
+}
+
+/* 16 int8 weights times their block's scale (exact in float32) */
+static inline __m512 scaled16_i8(const int8_t *q, __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), scale);
+}
+#endif
+
+/* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
 static void dequant_row(const uint8_t *p, const void *s, const void *o, int half, int64_t k, int64_t group,
                         float *we, float *wo) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
@@ -35,18 +57,12 @@ static void dequant_row(const uint8_t *p, const void *s, const void *o, int half
         float *e = we + g0 / 2, *d = wo + g0 / 2;
         int64_t j = 0;
 #ifdef __AVX512F__
-        /* the group's 16 possible weights, q * s + o (two roundings, as the reference), looked up
-         * by nibble: one permute per 16 weights instead of a convert, a multiply and an add */
-        const __m512 table = _mm512_add_ps(
-            _mm512_mul_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_ps(sc)),
-            _mm512_set1_ps(of));
-        const __m128i low = _mm_set1_epi8(15);
+        const __m512 table = group_table(s, o, g0 / group, half);
         for (; j + 16 <= group / 2; j += 16) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(pb + j));
-            const __m512i qe = _mm512_cvtepu8_epi32(_mm_and_si128(b, low));
-            const __m512i qo = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low));
-            _mm512_storeu_ps(e + j, _mm512_permutexvar_ps(qe, table));
-            _mm512_storeu_ps(d + j, _mm512_permutexvar_ps(qo, table));
+            __m512 ve, vo;
+            lookup16(pb + j, table, &ve, &vo);
+            _mm512_storeu_ps(e + j, ve);
+            _mm512_storeu_ps(d + j, vo);
         }
 #endif
         for (; j < group / 2; j++) {
@@ -90,16 +106,11 @@ static void dot_rows(const float *we, const float *wo, const float *xe, const fl
                                int64_t stride) {                                                     \
         __m512 acc[R];                                                                                \
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                   \
-        const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);    \
-        const __m128i low = _mm_set1_epi8(15);                                                       \
         for (int64_t g0 = 0; g0 < k; g0 += group) {                                                  \
-            const __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g0 / group, half))), \
-                                               _mm512_set1_ps(param(o, g0 / group, half)));          \
+            const __m512 table = group_table(s, o, g0 / group, half);                                \
             for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {                                \
-                const __m128i b = _mm_loadu_si128((const __m128i *)(p + j));                         \
-                const __m512 we = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)), table); \
-                const __m512 wo = _mm512_permutexvar_ps(                                             \
-                    _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)), table);          \
+                __m512 we, wo;                                                                       \
+                lookup16(p + j, table, &we, &wo);                                                    \
                 for (int i = 0; i < R; i++) {                                                        \
                     acc[i] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xe + i * h + j), acc[i]);           \
                     acc[i] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xo + i * h + j), acc[i]);           \
@@ -123,21 +134,13 @@ static void fused_pair_8(const uint8_t *p, const void *s, const void *o, int hal
                          int64_t pstride) {
     __m512 a0[8], a1[8];
     for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m128i low = _mm_set1_epi8(15);
     const void *s1 = (const char *)s + pstride, *o1 = (const char *)o + pstride;
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g0 / group, half))),
-                                        _mm512_set1_ps(param(o, g0 / group, half)));
-        const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s1, g0 / group, half))),
-                                        _mm512_set1_ps(param(o1, g0 / group, half)));
+        const __m512 t0 = group_table(s, o, g0 / group, half), t1 = group_table(s1, o1, g0 / group, half);
         for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {
-            const __m128i b0 = _mm_loadu_si128((const __m128i *)(p + j));
-            const __m128i b1 = _mm_loadu_si128((const __m128i *)(p + wstride + j));
-            const __m512 we0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low)), t0);
-            const __m512 wo0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), low)), t0);
-            const __m512 we1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low)), t1);
-            const __m512 wo1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), low)), t1);
+            __m512 we0, wo0, we1, wo1;
+            lookup16(p + j, t0, &we0, &wo0);
+            lookup16(p + wstride + j, t1, &we1, &wo1);
             for (int i = 0; i < 8; i++) {
                 const __m512 e = _mm512_loadu_ps(xe + i * h + j), d = _mm512_loadu_ps(xo + i * h + j);
                 a0[i] = _mm512_fmadd_ps(wo0, d, _mm512_fmadd_ps(we0, e, a0[i]));
@@ -242,10 +245,7 @@ static void dequant_row_i8(const int8_t *q, const uint16_t *s, int64_t k, int64_
         int64_t j = 0;
 #ifdef __AVX512F__
         const __m512 vs = _mm512_set1_ps(sc);
-        for (; j + 16 <= group; j += 16) {
-            const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g0 + j)));
-            _mm512_storeu_ps(w + g0 + j, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), vs));
-        }
+        for (; j + 16 <= group; j += 16) _mm512_storeu_ps(w + g0 + j, scaled16_i8(q + g0 + j, vs));
 #endif
         for (; j < group; j++) w[g0 + j] = (float)q[g0 + j] * sc;
     }
@@ -281,8 +281,7 @@ static void dot4_f32(const float *w, const float *x, int64_t k, int rows, float 
         for (int64_t g0 = 0; g0 < k; g0 += group) {                                                     \
             const __m512 vs = _mm512_set1_ps(_cvtsh_ss(s[g0 / group]));                                 \
             for (int64_t j = g0; j < g0 + group; j += 16) {                                             \
-                const __m512 w = _mm512_mul_ps(                                                         \
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))), vs); \
+                const __m512 w = scaled16_i8(q + j, vs);                                                \
                 for (int i = 0; i < R; i++) acc[i] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + i * k + j), acc[i]); \
             }                                                                                           \
         }                                                                                               \
@@ -305,10 +304,7 @@ static void fused_i8_pair_8(const int8_t *q, const uint16_t *s, int64_t k, int64
     for (int64_t g0 = 0; g0 < k; g0 += group) {
         const __m512 s0 = _mm512_set1_ps(_cvtsh_ss(s[g0 / group])), s1 = _mm512_set1_ps(_cvtsh_ss(s[groups + g0 / group]));
         for (int64_t j = g0; j < g0 + group; j += 16) {
-            const __m512 w0 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j)))), s0);
-            const __m512 w1 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + wstride + j)))), s1);
+            const __m512 w0 = scaled16_i8(q + j, s0), w1 = scaled16_i8(q + wstride + j, s1);
             for (int i = 0; i < 8; i++) {
                 const __m512 xv = _mm512_loadu_ps(x + i * k + j);
                 a0[i] = _mm512_fmadd_ps(w0, xv, a0[i]);
