@@ -134,6 +134,9 @@ class DecodeLayerSpec:
         return cls(c, (norms, qkv, o, gate_up, down, *extra))
 
 
+LayerPages = tuple[dict[str, Tensor], dict[str, Tensor], tuple[int, int]]  # caches, scales, C modes
+
+
 def page_modes(cache: dict[str, Tensor], scales: dict[str, Tensor]) -> tuple[int, int] | None:
     """The C modes of a layer's K and V pages, or None when this path does not serve them."""
     k, v = cache.get("k"), cache.get("v")
@@ -151,12 +154,13 @@ def run_decode_layers(
     slots: Tensor,
     block_tables: Tensor,
     context_lens: Tensor,
-    pages: Sequence[tuple[dict[str, Tensor], dict[str, Tensor]]],
+    pages: Sequence[LayerPages],
     scale: float,
     threads: int,
 ) -> Tensor:
     """Every layer over ``x [T, hidden]`` (a new tensor is returned). ``pages[i]`` is layer i's
-    (caches, scales). Raises ValueError for slots, lengths or page ids outside the pool."""
+    (caches, scales, ``page_modes``). Raises ValueError for slots, lengths or page ids outside the
+    pool."""
     lib = library()
     if lib is None:
         raise RuntimeError("the native CPU kernels are unavailable")
@@ -182,10 +186,9 @@ def run_decode_layers(
         t, slots.data_ptr(), num_pages * page_size, cos.data_ptr(), sin.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), num_pages, page_size, scale, scratch.data_ptr(), threads,
     )  # fmt: skip
-    for i, (spec, (cache, page_scales)) in enumerate(zip(specs, pages, strict=True)):
-        km, vm = page_modes(cache, page_scales) or (None, None)
-        if km is None or cache["k"].shape[:2] != (num_pages, page_size):
-            raise ValueError(f"layer {i}: pages this path does not serve")
+    for i, (spec, (cache, page_scales, (km, vm))) in enumerate(zip(specs, pages, strict=True)):
+        if cache["k"].shape[:2] != (num_pages, page_size):
+            raise ValueError(f"layer {i}: pages of another shape than layer 0's")
         ks, vs = _scale_arg(km, page_scales.get("k")), _scale_arg(vm, page_scales.get("v"))
         c = spec.c
         c.k_cache, c.v_cache = cache["k"].data_ptr(), cache["v"].data_ptr()

@@ -3,10 +3,11 @@
  * W is the canonical layout of kernels/int4.py: packed uint8 [N, K/2] (weight k = 2j in the low
  * nibble of byte j, k = 2j + 1 in the high one), scales and offsets [N, K/group] in float32, or in
  * float16 (half = 1) when that holds them exactly (GGUF Q4_0/Q4_1), with w = q * scale + offset
- * (every zero-point form reduces to this). Each thread dequantizes one row
- * of W at a time into float32 buffers of its even and odd k (AVX-512 where the CPU has it; the
- * nibbles never need interleaving), shared by every row of x, then takes M dot products against x
- * split the same way once per call. Built at run time
+ * (every zero-point form reduces to this). x is split once per call into its even and odd k (the
+ * nibbles never need interleaving). Up to FUSED_MAX_M rows of x (AVX-512): each group of W is
+ * dequantized straight into registers feeding up to 8 accumulators, rows of W in pairs from 8 rows
+ * of x on. More rows: each thread dequantizes one row of W at a time into float32 buffers shared by
+ * blocks of 4 rows of x. Built at run time
  * by kernels/cpu_int4_native.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
  */
 #include <stdint.h>

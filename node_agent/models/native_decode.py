@@ -9,7 +9,6 @@ runs the torch path; ``NativeDecode.build`` says why a model is not served.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from pagoda.kernels.cpu_decode_layer_native import (
     DecodeLayerSpec,
+    LayerPages,
     int4_servable,
     library,
     page_modes,
@@ -28,8 +28,6 @@ from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.layers import DenseMLP
 
 DecoderLayer = Any  # models/llama.py's DecoderLayer (which imports this module)
-
-log = logging.getLogger("pagoda.models")
 
 ENV_VAR = "PAGODA_NATIVE_DECODE"
 
@@ -106,16 +104,24 @@ class NativeDecode:
             specs.append(spec)
         return cls(specs, layers[0].cfg.head_dim), ""
 
-    def serves(self, b: StepBatch, weights_phase: str) -> list | None:
-        """This step's (caches, scales) per layer when the native path runs it, else None."""
+    def serves(self, b: StepBatch, weights_phase: str) -> list[LayerPages] | None:
+        """This step's (caches, scales, C modes) per layer when the native path runs it, else None."""
         if b.phase != "decode" or weights_phase != "decode" or os.environ.get(ENV_VAR, "1") == "0":
             return None
         if select_backend(b.input_ids.device, b.kernel_backend) != "cpu":
             return None
-        pages = [(b.kv.layer_cache(i), b.kv.layer_scales(i)) for i in range(len(self.specs))]
-        return pages if all(page_modes(*p) is not None for p in pages) else None
+        pages = []
+        for i in range(len(self.specs)):
+            cache, scales = b.kv.layer_cache(i), b.kv.layer_scales(i)
+            modes = page_modes(cache, scales)
+            if modes is None:
+                return None
+            pages.append((cache, scales, modes))
+        return pages
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, pages: list):
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, pages: list[LayerPages]
+    ):
         """Every layer of this decode step -> the last hidden states [T, hidden]."""
         record("decode_layers", "native")
         return run_decode_layers(

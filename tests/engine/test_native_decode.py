@@ -64,12 +64,13 @@ def test_what_the_native_layer_does_not_serve_runs_the_torch_path(make_engine, m
 
 
 def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
-    from pagoda.kernels.cpu_decode_layer_native import run_decode_layers
+    from pagoda.kernels.cpu_decode_layer_native import page_modes, run_decode_layers
 
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
     native, pool = engine.model.native, engine.pool  # the decode pool
     assert native is not None
     pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
+    pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
     k = pages[0][0]["k"]
     before = k.clone()
     d = native.specs[0].c.d
