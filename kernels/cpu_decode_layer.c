@@ -7,8 +7,10 @@
  *   a = paged_decode(q);  x += a @ Wo^T;  h = rmsnorm(x) * w_post;  gu = h @ Wgu^T;
  *   x += (silu(gate) * up) @ Wdown^T
  *
- * the same sequence of float32 operations as the torch path (node_agent/models/llama.py); only the
- * order of the sums inside each norm differs. Replaces ~20 torch calls per layer. The caller
+ * the same sequence of float32 operations as the torch path (node_agent/models/llama.py), except
+ * that the norms sum their squares in another order, SiLU takes cpu_math.h's exp and the attention
+ * kernel sums in its own order (all within float32 rounding). Replaces ~20 torch calls per layer. The
+ * caller
  * (kernels/cpu_decode_layer_native.py) validates shapes, page ids and slots before the call.
  */
 #include <math.h>

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagoda.node_agent.engine.config import (
+    DECODE_LM_HEADS,
     KV_SCALE_GRANULARITIES,
     EngineConfig,
     ParallelConfig,
@@ -54,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
     p.add_argument(
         "--decode-lm-head",
-        choices=("auto", "dense", "int8", "int4"),
+        choices=DECODE_LM_HEADS,
         default="auto",
         help="the decode phase's LM head: auto (int8 where int8 blocks hold it exactly, as GGUF Q8_0, with "
         "float32 compute on a CPU; else dense), dense (the compute dtype), int8 (per row unless exact) or "

@@ -136,6 +136,8 @@ class ParallelConfig:
 
 # FP8 KV scales: K per token and head (V static per head), static per head, or one static per tensor
 KV_SCALE_GRANULARITIES = ("per-token-k", "per-head", "per-tensor")
+# The decode phase's LM head: auto (int8 where that holds it exactly on a CPU, else dense), or as named
+DECODE_LM_HEADS = ("auto", "dense", "int8", "int4")
 
 
 @dataclass
@@ -156,9 +158,7 @@ class EngineConfig:
     integrity: str = "enforce"
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
-    # the decode phase's LM head: auto (int8 when that holds it exactly on a CPU, else dense) | dense | int8
-    # | int4 (group 32)
-    decode_lm_head: str = "auto"
+    decode_lm_head: str = "auto"  # the decode phase's LM head (DECODE_LM_HEADS; int4 in groups of 32)
     compile: bool = False  # torch.compile the decode glue at load (models/step_ops.py)
     int4_compute: str = "float32"  # CPU INT4 with float32 activations: float32 (exact) | bf16 (faster)
     kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
@@ -179,9 +179,9 @@ class EngineConfig:
             raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
         if self.int4_compute not in ("float32", "bf16"):
             raise ConfigError(f"int4 compute must be float32 or bf16, got {self.int4_compute!r}")
-        if self.decode_lm_head not in ("auto", "dense", "int8", "int4"):
+        if self.decode_lm_head not in DECODE_LM_HEADS:
             raise ConfigError(
-                f"decode LM head must be auto, dense, int8 or int4, got {self.decode_lm_head!r}"
+                f"decode LM head must be one of {', '.join(DECODE_LM_HEADS)}, got {self.decode_lm_head!r}"
             )
         if self.kv_scale_granularity not in KV_SCALE_GRANULARITIES:
             raise ConfigError(

@@ -33,7 +33,6 @@ from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401 
 from pagoda.node_agent.models.step_ops import OPS
 from pagoda.node_agent.models.weight_bytes import weight_breakdown
 
-HEAD_FORMATS = ("dense", "int8", "int4")  # the decode phase's LM head (--decode-lm-head)
 HEAD_INT4_GROUP = 32
 
 log = logging.getLogger("pagoda.models")
