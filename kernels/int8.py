@@ -121,13 +121,11 @@ def _blocks_linear(x2: Tensor, qw: Int8Weight, be: str) -> Tensor:
     return F.linear(x2.float(), qw.dequantize())
 
 
-def lossless_head_format(w: Tensor, dtype: torch.dtype, device: torch.device) -> str:
-    """``"int8"`` when int8 blocks hold the head ``w`` exactly (GGUF Q8_0) and the native float32
-    kernel runs them (float32 compute on a CPU), else ``"dense"``: the ``auto`` decode LM head."""
+def exact_int8_head(w: Tensor, dtype: torch.dtype, device: torch.device) -> Int8Weight | None:
+    """The int8 blocks holding the head ``w`` exactly (GGUF Q8_0) when the native float32 kernel runs
+    them (float32 compute on a CPU), else None: the ``auto`` decode LM head (None: dense)."""
     if device.type != "cpu" or dtype != torch.float32 or w.dtype != torch.float32:
-        return "dense"
+        return None
     from .cpu_int4_native import library
 
-    if library() is None:
-        return "dense"
-    return "int8" if Int8Weight.exact_blocks(w) is not None else "dense"
+    return Int8Weight.exact_blocks(w) if library() is not None else None

@@ -49,9 +49,10 @@ class PhaseLinear:
         dtype: torch.dtype,
         backend: str | None = None,
         group_size: int | None = None,
+        built: dict[str, LinearWeight] | None = None,
     ) -> None:
         self.by_phase: dict[str, LinearWeight] = {}
-        made: dict[str, LinearWeight] = {}
+        made: dict[str, LinearWeight] = dict(built or {})  # formats the caller already built
         shard = weight if isinstance(weight, ColumnShard) else None
         if shard is not None:
             weight = shard.weight

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.kernels.int8 import lossless_head_format
+from pagoda.kernels.int8 import exact_int8_head
+from pagoda.kernels.linear import Int8Linear
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
@@ -206,13 +207,17 @@ class LlamaForCausalLM:
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         # The LM head per phase: dense in prefill; in decode dense, int8 (per row unless exact) or int4
         # (group 32); auto: int8 where it loses nothing and a native kernel runs it, else dense
+        exact = exact_int8_head(head, dtype, device) if decode_head_format == "auto" else None
         if decode_head_format == "auto":
-            decode_head_format = lossless_head_format(head, dtype, device)
+            decode_head_format = "int8" if exact is not None else "dense"
         self.decode_head_format = decode_head_format  # as built: dense, int8 or int4
         decode_head = "bf16" if decode_head_format == "dense" else decode_head_format
         # (a decode-only worker runs its rare prefill-phase steps on the decode head too)
         head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}
-        self.lm_head = PhaseLinear(head, None, head_formats, dtype, backend, group_size=HEAD_INT4_GROUP)
+        built = {"int8": Int8Linear(exact, dtype, backend)} if exact is not None else None  # checked once
+        self.lm_head = PhaseLinear(
+            head, None, head_formats, dtype, backend, group_size=HEAD_INT4_GROUP, built=built
+        )
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
         # decode steps as one native call per layer where every layer allows it (CPU, float32, INT4)
         self.native, self.native_reason = NativeDecode.build(self.layers, dtype, device, self.cos.shape[-1])
