@@ -20,7 +20,7 @@
 #include "cpu_math.h"
 
 int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
-                         const void *offsets, int half, int64_t n, int64_t group, float *y, int threads);
+                         const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads);
 int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
                     int64_t hk, int64_t dk, void *k_cache, int k_mode, void *k_scale, const float *v,
                     int64_t v_stride, int64_t hv, int64_t dv, void *v_cache, int v_mode, void *v_scale);
@@ -31,8 +31,8 @@ int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, cons
 
 typedef struct {
     const uint8_t *packed; /* [n, k / 2] */
-    const void *scales, *offsets; /* [n, k / group] float32, or float16 when half */
-    int64_t half, n, k, group;
+    const void *scales, *offsets; /* as pagoda_int4_gemm_f32 reads them in parameter mode `mode` */
+    int64_t mode, n, k, group;
 } pagoda_i4;
 
 typedef struct {
@@ -118,7 +118,7 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
 }
 
 static int gemm(const pagoda_i4 *w, const float *x, int64_t m, float *y, int threads) {
-    return pagoda_int4_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->half, w->n, w->group, y,
+    return pagoda_int4_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->mode, w->n, w->group, y,
                                 threads);
 }
 

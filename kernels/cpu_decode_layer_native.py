@@ -24,7 +24,7 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _I4(ctypes.Structure):
     _fields_ = [
         ("packed", _ptr), ("scales", _ptr), ("offsets", _ptr),
-        ("half", _i64), ("n", _i64), ("k", _i64), ("group", _i64),
+        ("mode", _i64), ("n", _i64), ("k", _i64), ("group", _i64),
     ]  # fmt: skip
 
 
@@ -61,21 +61,21 @@ def library() -> ctypes.CDLL | None:
 
 
 def _i4(w: Int4Weight) -> _I4:
-    offsets = w.native_offsets()
+    scales, offsets, mode = w.native_params()
     return _I4(
-        w.packed.data_ptr(), w.scales.data_ptr(), offsets.data_ptr(),
-        int(w.scales.dtype == torch.float16), w.out_features, w.in_features, w.group_size,
+        w.packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+        mode, w.out_features, w.in_features, w.group_size,
     )  # fmt: skip
 
 
 def int4_servable(w: object) -> bool:
-    """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, scales and
-    offsets of one float dtype, K a multiple of the group."""
+    """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, parameters
+    the kernel reads (float32, float16 or codes), K a multiple of the group."""
     if not isinstance(w, Int4Weight) or w.packed is None or w.packed.device.type != "cpu":
         return False
-    if w.scales.dtype not in (torch.float32, torch.float16) or w.in_features % w.group_size:
+    if w.in_features % w.group_size:
         return False
-    return w.native_offsets().dtype == w.scales.dtype
+    return w.native_params() is not None
 
 
 @dataclass

@@ -1,9 +1,11 @@
 /* Float32 INT4 GEMM for CPUs: y[M, N] = x[M, K] @ dequant(W)^T, exact float32 arithmetic.
  *
  * W is the canonical layout of kernels/int4.py: packed uint8 [N, K/2] (weight k = 2j in the low
- * nibble of byte j, k = 2j + 1 in the high one), scales and offsets [N, K/group] in float32, or in
- * float16 (half = 1) when that holds them exactly (GGUF Q4_0/Q4_1), with w = q * scale + offset
- * (every zero-point form reduces to this). x is split once per call into its even and odd k (the
+ * nibble of byte j, k = 2j + 1 in the high one) and per group a scale and an offset, with
+ * w = q * scale + offset (every zero-point form reduces to this). `mode` says how the parameters are
+ * held: 0, `scales` and `offsets` float32 [N, K/group]; 1, both float16, when that holds them
+ * exactly (GGUF Q4_0/Q4_1); 2, codes (kernels/int4_codes.py): `scales` is uint8 [N, K/group, 3],
+ * each group's 24 bits two 12-bit indices (scale low, offset high) into `offsets`, a float16 table. x is split once per call into its even and odd k (the
  * nibbles never need interleaving). Up to FUSED_MAX_M rows of x (AVX-512): each group of W is
  * dequantized straight into registers feeding up to 8 accumulators, rows of W in pairs from 8 rows
  * of x on. More rows: each thread dequantizes one row of W at a time into float32 buffers shared by
@@ -20,20 +22,47 @@
 #define FUSED_MAX_M 16
 #endif
 
-/* parameter i of a row: a float32, or a float16 (half) */
-static inline float param(const void *p, int64_t i, int half) {
+static inline float from_half(uint16_t h) {
 #ifdef __F16C__
-    if (half) return _cvtsh_ss(((const uint16_t *)p)[i]);
+    return _cvtsh_ss(h);
+#else
+    (void)h;
+    return 0.0f; /* unreachable: the entry point refuses float16 parameters without F16C */
 #endif
-    return ((const float *)p)[i];
+}
+
+/* group g's scale and offset; s and o point at the row's parameters (see row_params) */
+static inline void group_params(const void *s, const void *o, int64_t g, int mode, float *sc, float *of) {
+    if (mode == 2) {
+        const uint8_t *c = (const uint8_t *)s + 3 * g;
+        const uint32_t code = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
+        *sc = from_half(((const uint16_t *)o)[code & 0xFFF]);
+        *of = from_half(((const uint16_t *)o)[code >> 12]);
+    } else if (mode == 1) {
+        *sc = from_half(((const uint16_t *)s)[g]);
+        *of = from_half(((const uint16_t *)o)[g]);
+    } else {
+        *sc = ((const float *)s)[g];
+        *of = ((const float *)o)[g];
+    }
+}
+
+/* row r's parameters: both arrays advance by a row, except a code table, which every row shares */
+static inline void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, const void **rs,
+                              const void **ro) {
+    const int64_t width = mode == 2 ? 3 : mode == 1 ? 2 : 4; /* bytes per group in `s` */
+    *rs = (const char *)s + r * groups * width;
+    *ro = mode == 2 ? o : (const char *)o + r * groups * width;
 }
 
 #ifdef __AVX512F__
 /* group g's 16 possible weights, q * scale + offset (two roundings, as the reference), to be looked
  * up by nibble: one permute per 16 weights instead of a convert, a multiply and an add */
-static inline __m512 group_table(const void *s, const void *o, int64_t g, int half) {
+static inline __m512 group_table(const void *s, const void *o, int64_t g, int mode) {
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(param(s, g, half))), _mm512_set1_ps(param(o, g, half)));
+    float sc, of;
+    group_params(s, o, g, mode, &sc, &of);
+    return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(sc)), _mm512_set1_ps(of));
 }
 
 /* 16 packed bytes -> the weights of their low nibbles (even k) and of their high nibbles (odd k) */
@@ -50,15 +79,16 @@ static inline __m512 scaled16_i8(const int8_t *q, __m512 scale) {
 #endif
 
 /* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
-static void dequant_row(const uint8_t *p, const void *s, const void *o, int half, int64_t k, int64_t group,
+static void dequant_row(const uint8_t *p, const void *s, const void *o, int mode, int64_t k, int64_t group,
                         float *we, float *wo) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        const float sc = param(s, g0 / group, half), of = param(o, g0 / group, half);
+        float sc, of;
+        group_params(s, o, g0 / group, mode, &sc, &of);
         const uint8_t *pb = p + g0 / 2;
         float *e = we + g0 / 2, *d = wo + g0 / 2;
         int64_t j = 0;
 #ifdef __AVX512F__
-        const __m512 table = group_table(s, o, g0 / group, half);
+        const __m512 table = group_table(s, o, g0 / group, mode);
         for (; j + 16 <= group / 2; j += 16) {
             __m512 ve, vo;
             lookup16(pb + j, table, &ve, &vo);
@@ -102,13 +132,13 @@ static void dot_rows(const float *we, const float *wo, const float *xe, const fl
  * (q * scale, then + offset: two roundings) straight into registers: each dequantized vector of 16
  * weights feeds R accumulators and is never stored. Needs group % 32 == 0. */
 #define DEFINE_FUSED_ROWS(R)                                                                          \
-    static void fused_rows_##R(const uint8_t *p, const void *s, const void *o, int half, int64_t k,    \
+    static void fused_rows_##R(const uint8_t *p, const void *s, const void *o, int mode, int64_t k,    \
                                int64_t group, const float *xe, const float *xo, int64_t h, float *out, \
                                int64_t stride) {                                                     \
         __m512 acc[R];                                                                                \
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                   \
         for (int64_t g0 = 0; g0 < k; g0 += group) {                                                  \
-            const __m512 table = group_table(s, o, g0 / group, half);                                \
+            const __m512 table = group_table(s, o, g0 / group, mode);                                \
             for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {                                \
                 __m512 we, wo;                                                                       \
                 lookup16(p + j, table, &we, &wo);                                                    \
@@ -128,16 +158,15 @@ DEFINE_FUSED_ROWS(5)
 DEFINE_FUSED_ROWS(6)
 DEFINE_FUSED_ROWS(7)
 DEFINE_FUSED_ROWS(8)
-/* the same for two rows of W at once (r and r + 1, `wstride` bytes apart in the packed weights and
- * `pstride` bytes in the parameters) over 8 rows of x: each load of x feeds two accumulators */
-static void fused_pair_8(const uint8_t *p, const void *s, const void *o, int half, int64_t k, int64_t group,
-                         const float *xe, const float *xo, int64_t h, float *out, int64_t stride, int64_t wstride,
-                         int64_t pstride) {
+/* the same for two rows of W at once (r and r + 1, `wstride` bytes apart in the packed weights, with
+ * parameters s, o and s1, o1) over 8 rows of x: each load of x feeds two accumulators */
+static void fused_pair_8(const uint8_t *p, const void *s, const void *o, const void *s1, const void *o1, int mode,
+                         int64_t k, int64_t group, const float *xe, const float *xo, int64_t h, float *out,
+                         int64_t stride, int64_t wstride) {
     __m512 a0[8], a1[8];
     for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-    const void *s1 = (const char *)s + pstride, *o1 = (const char *)o + pstride;
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        const __m512 t0 = group_table(s, o, g0 / group, half), t1 = group_table(s1, o1, g0 / group, half);
+        const __m512 t0 = group_table(s, o, g0 / group, mode), t1 = group_table(s1, o1, g0 / group, mode);
         for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {
             __m512 we0, wo0, we1, wo1;
             lookup16(p + j, t0, &we0, &wo0);
@@ -161,10 +190,11 @@ static const fused_fn FUSED[9] = {0,           fused_rows_1, fused_rows_2, fused
 #endif
 
 int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
-                         const void *offsets, int half, int64_t n, int64_t group, float *y, int threads) {
+                         const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads) {
     if (k % group || group % 2) return 1;
+    if (mode < 0 || mode > 2) return 4;
 #ifndef __F16C__
-    if (half) return 3;
+    if (mode) return 3;
 #endif
     const int64_t groups = k / group, h = k / 2;
     float *xe = (float *)malloc(sizeof(float) * (size_t)(m * h));
@@ -183,22 +213,25 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
 #ifdef __AVX512F__
     /* a few rows of x: dequantize into registers (each row of W once per 8 rows of x) */
     if (group % 32 == 0 && m <= FUSED_MAX_M) {
-        const int64_t pstride = groups * (half ? 2 : 4); /* bytes of one row's parameters */
-        const int64_t pairs = m >= 8 ? n / 2 : 0;         /* rows of W taken two at a time */
+        const int64_t pairs = m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
             const int64_t r = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
-            const int64_t at = r * pstride;
             for (int64_t i = 0; i < m;) {
                 const int rows = m - i < 8 ? (int)(m - i) : 8;
                 if (u < pairs && rows == 8) {
-                    fused_pair_8(packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group,
-                                 xe + i * h, xo + i * h, h, y + i * n + r, n, h, pstride);
+                    const void *s0, *o0, *s1, *o1;
+                    row_params(scales, offsets, mode, groups, r, &s0, &o0);
+                    row_params(scales, offsets, mode, groups, r + 1, &s1, &o1);
+                    fused_pair_8(packed + r * h, s0, o0, s1, o1, mode, k, group, xe + i * h, xo + i * h, h,
+                                 y + i * n + r, n, h);
                 } else {
-                    for (int64_t w = r; w < (u < pairs ? r + 2 : r + 1); w++)
-                        FUSED[rows](packed + w * h, (const char *)scales + w * pstride,
-                                    (const char *)offsets + w * pstride, half, k, group, xe + i * h, xo + i * h, h,
-                                    y + i * n + w, n);
+                    for (int64_t w = r; w < (u < pairs ? r + 2 : r + 1); w++) {
+                        const void *sw, *ow;
+                        row_params(scales, offsets, mode, groups, w, &sw, &ow);
+                        FUSED[rows](packed + w * h, sw, ow, mode, k, group, xe + i * h, xo + i * h, h, y + i * n + w,
+                                    n);
+                    }
                 }
                 i += rows;
             }
@@ -217,9 +250,9 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
         } else {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                const int64_t at = r * groups * (half ? 2 : 4); /* byte offset of the row's parameters */
-                dequant_row(packed + r * h, (const char *)scales + at, (const char *)offsets + at, half, k, group, w,
-                            w + h);
+                const void *sr, *or_;
+                row_params(scales, offsets, mode, groups, r, &sr, &or_);
+                dequant_row(packed + r * h, sr, or_, mode, k, group, w, w + h);
                 for (int64_t i = 0; i < m; i += 4) {
                     const int rows = m - i < 4 ? (int)(m - i) : 4;
                     dot_rows(w, w + h, xe + i * h, xo + i * h, h, rows, y + i * n + r, n);

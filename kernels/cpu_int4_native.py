@@ -106,24 +106,36 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def native_int4_mm(x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, group: int) -> Tensor | None:
+def native_int4_mm(
+    x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, group: int, mode: int | None = None
+) -> Tensor | None:
     """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable.
-    ``scales`` and ``offsets`` are both float32 or both float16."""
+    ``scales`` and ``offsets`` are both float32 or both float16 (``mode`` 0 or 1, found from the
+    dtype when None), or codes uint8 [N, K/group, 3] and their float16 table (``mode=2``)."""
     lib = library()
     if lib is None:
         return None
-    if scales.dtype != offsets.dtype or scales.dtype not in (torch.float32, torch.float16):
+    n, groups = packed.shape[0], x.shape[-1] // group if group > 0 else 0
+    if mode == 2:
+        if scales.dtype != torch.uint8 or scales.shape != (n, groups, 3):
+            raise ValueError(
+                f"codes must be uint8 {(n, groups, 3)}, got {scales.dtype} {tuple(scales.shape)}"
+            )
+        if offsets.dtype != torch.float16 or offsets.dim() != 1 or offsets.numel() > 4096:
+            raise ValueError(f"a code table is float16 [<= 4096], got {offsets.dtype} {tuple(offsets.shape)}")
+    elif scales.dtype != offsets.dtype or scales.dtype not in (torch.float32, torch.float16):
         raise ValueError(
             f"scales and offsets must both be float32 or float16, got {scales.dtype}, {offsets.dtype}"
         )
-    half = int(scales.dtype == torch.float16)
+    elif mode not in (None, int(scales.dtype == torch.float16)):
+        raise ValueError(f"parameter mode {mode} does not match {scales.dtype} scales")
+    mode = int(scales.dtype == torch.float16) if mode is None else mode
     scales, offsets, packed = scales.contiguous(), offsets.contiguous(), packed.contiguous()
     x = x.contiguous()
     m, k = x.shape
-    n = packed.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.pagoda_int4_gemm_f32(
-        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), half, n, group,
+        x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), mode, n, group,
         y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:

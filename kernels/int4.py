@@ -8,7 +8,11 @@ Canonical layout (what ``pagoda quantize`` stores and the reference/Triton paths
 Dequantized weight: ``(q - zero) * scale``, or ``q * scale + min`` when ``mins`` is set: the float
 zero of GGUF Q4_1 (and of Q4_0, with ``min = -8 * scale``), which holds such blocks exactly.
 
-The CPU backend uses torch's int4pack layout (``_convert_weight_to_int4pack_for_cpu``), whose
+A float32 CPU engine holds float16 scales and offsets where that is exact, and then, where the weight
+has at most 4,096 distinct values of them, 12-bit codes into a table instead
+(:mod:`kernels.int4_codes`): 19 bytes per group of 32 instead of 20, no value changed.
+
+The bf16 CPU path uses torch's int4pack layout (``_convert_weight_to_int4pack_for_cpu``), whose
 dequant is ``(q - 8) * s + z'``; ours maps onto it with ``s = scale`` and ``z' = offset + 8 * scale``
 (``offset`` = ``-zero * scale`` or ``min``). N is padded to a multiple of 16 (a requirement of that op).
 """
@@ -22,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dispatch import record, select_backend
+from .int4_codes import MAX_VALUES as MAX_CODE_VALUES
+from .int4_codes import ParamCodes, codes_nbytes, distinct_values, encode_params
 
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 # torch's CPU int4 matmul is ~10x faster with bf16 activations than with float32 ones (measured on
@@ -75,6 +81,9 @@ class Int4Weight:
     # canonical tensors; "bf16": torch's int4pack op with bf16 activations, scales and offsets
     cpu_compute: str = "bf16"
     _offsets: Tensor | None = field(default=None, repr=False)
+    # the float16 scales and offsets as codes into a table (compact_for_native); scales, mins and
+    # offsets are then None until something needs them (_need_canonical expands the codes)
+    codes: ParamCodes | None = field(default=None, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -85,6 +94,8 @@ class Int4Weight:
         total = sum(t.nbytes for t in (self.packed, self.scales, self.zeros, self.mins) if t is not None)
         if self._offsets is not None and self._offsets is not self.mins:
             total += self._offsets.nbytes
+        if self.codes is not None:
+            total += self.codes.nbytes
         for packed, sz in self._cpu.values():
             total += packed.nbytes + sz.nbytes
         return total
@@ -109,6 +120,16 @@ class Int4Weight:
     def _need_canonical(self) -> None:
         if self.packed is None:
             self._restore_canonical()
+        if self.scales is None and self.codes is not None:
+            self._expand_codes()
+
+    def _expand_codes(self) -> None:
+        """Back from codes to float16 scales and offsets (the same values)."""
+        scales, offsets = self.codes.decode()
+        self.codes = None
+        self.scales, self._offsets = scales, offsets
+        if self._float_zero:
+            self.mins = offsets
 
     def cpu_layout(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(int4pack [Npad, K//2] uint8, scales_and_zeros [K//group, Npad, 2] in ``dtype``), cached."""
@@ -129,6 +150,17 @@ class Int4Weight:
             self._cpu[dtype] = (packed, sz)
         return self._cpu[dtype]
 
+    def native_params(self) -> tuple[Tensor, Tensor, int] | None:
+        """(scales, offsets, mode) as ``kernels/cpu_int4.c`` reads them: float32 (mode 0), float16 (1),
+        or codes and their table (2); None when scales and offsets differ in dtype."""
+        if self.codes is not None:
+            return self.codes.codes, self.codes.table, 2
+        self._need_canonical()
+        scales, offsets = self.scales, self.native_offsets()
+        if scales.dtype != offsets.dtype or scales.dtype not in (torch.float32, torch.float16):
+            return None
+        return scales, offsets, int(scales.dtype == torch.float16)
+
     def native_offsets(self) -> Tensor:
         """Offsets kept for the native float32 kernel (the mins themselves when float-zero), in the
         scales' dtype (see :meth:`compact_for_native`)."""
@@ -138,32 +170,44 @@ class Int4Weight:
 
     def params_fit_fp16(self) -> bool:
         """Whether float16 holds the scales and offsets exactly (GGUF's own precision)."""
+        if self.codes is not None:
+            return True
         scales, offsets = self.scales.float(), self.offsets()
         return torch.equal(scales.half().float(), scales) and torch.equal(offsets.half().float(), offsets)
 
     def resident_nbytes(self, compute: str) -> int:
         """Bytes the CPU path will hold for this weight once prepared for ``compute`` ("float32":
-        nibbles, scales and offsets (+ integer zeros), float16 when exact; "bf16": torch's int4pack
-        layout with bf16 scales and offsets, N padded to 16)."""
+        nibbles, scales and offsets (+ integer zeros): codes where they fit, else float16 when exact,
+        else float32; "bf16": torch's int4pack layout with bf16 scales and offsets, N padded to 16)."""
         n, k, g = self.out_features, self.in_features, self.num_groups
         if compute == "bf16":
             npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
             return npad * k // 2 + g * npad * 2 * 2
-        param = 2 if self.params_fit_fp16() else 4
-        return n * k // 2 + n * g * 2 * param + (n * g if self.zeros is not None else 0)
+        zeros = n * g if self.zeros is not None else 0
+        if self.codes is not None:
+            return n * k // 2 + self.codes.nbytes + zeros
+        if not self.params_fit_fp16():
+            return n * k // 2 + n * g * 2 * 4 + zeros
+        values = distinct_values(self.scales.half(), self.offsets().half())
+        params = codes_nbytes(n, g, values) if values <= MAX_CODE_VALUES else n * g * 2 * 2
+        return n * k // 2 + params + zeros
 
     def compact_for_native(self) -> None:
-        """Hold scales (and mins or offsets) in float16 when that is exact (GGUF's own precision),
-        else keep float32: the native kernel reads either, the values never change."""
-        if not self.params_fit_fp16():
+        """Hold scales (and mins or offsets) as codes into a float16 table where float16 is exact
+        (GGUF's own precision) and the distinct values fit one, else in float16 when exact, else keep
+        float32: the native kernel reads all three, the values never change."""
+        if self.codes is not None or not self.params_fit_fp16():
             return
-        s16, o16 = self.scales.half(), self.offsets().half()
-        self.scales = s16.contiguous()
+        s16, o16 = self.scales.half().contiguous(), self.offsets().half().contiguous()
+        codes = encode_params(s16, o16)
+        if codes is not None:
+            self.codes = codes
+            self.scales = self.mins = self._offsets = None
+            return
+        self.scales = s16
         if self.mins is not None:
-            self.mins = o16.contiguous()
-            self._offsets = self.mins
-        else:
-            self._offsets = o16.contiguous()
+            self.mins = o16
+        self._offsets = o16
 
     def prepare(self, backend: str, dtype: torch.dtype = torch.float32, keep_canonical: bool = True) -> None:
         """Build the layout ``backend`` reads; optionally free the canonical tensors (CPU only).
@@ -172,7 +216,8 @@ class Int4Weight:
             return
         if self.cpu_compute == "float32":
             self.compact_for_native()
-            self.native_offsets()
+            if self.codes is None:
+                self.native_offsets()
             return
         self.cpu_layout(dtype)
         if not keep_canonical:
@@ -326,7 +371,9 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         if qw.cpu_compute == "float32" and x2.dtype == torch.float32 and qw.packed is not None:
             from .cpu_int4_native import native_int4_mm
 
-            out = native_int4_mm(x2, qw.packed, qw.scales, qw.native_offsets(), qw.group_size)
+            params = qw.native_params()
+            if params is not None:
+                out = native_int4_mm(x2, qw.packed, params[0], params[1], qw.group_size, mode=params[2])
         if out is None:  # bf16 compute asked for, or the native kernel is unavailable (logged once)
             out = cpu_int4_mm(x2, qw)
         out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)

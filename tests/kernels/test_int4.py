@@ -252,8 +252,9 @@ def test_int4_linear_compute_modes(monkeypatch, tmp_path):
 
 
 def test_float32_compute_keeps_exact_fp16_params_in_fp16():
-    """GGUF-style scales and mins (float16 values) are held in float16 for the native kernel: 5 bits a
-    weight like the file, the same values; float32 ones that float16 cannot hold stay float32."""
+    """GGUF-style scales and mins (float16 values) are held as 12-bit codes into a float16 table for
+    the native kernel: under 5 bits a weight, the same values; with more distinct values than codes
+    reach they stay float16; float32 ones that float16 cannot hold stay float32."""
     from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
 
     qw, w = _float_zero_case(32, 128, 32, seed=3)
@@ -261,11 +262,22 @@ def test_float32_compute_keeps_exact_fp16_params_in_fp16():
         lin = make_linear_weight(qw, "int4", torch.float32)
     if lin.weight.cpu_compute != "float32":
         pytest.skip("native INT4 kernel unavailable here (no C compiler)")
-    assert lin.weight.scales.dtype == torch.float16 and lin.weight.mins.dtype == torch.float16
-    assert lin.nbytes == 32 * 64 + 2 * (32 * 4 * 2)  # nibbles + float16 scale and min per group
+    codes = lin.weight.codes
+    assert codes is not None and lin.weight.scales is None and lin.weight.mins is None
+    assert codes.table.dtype == torch.float16 and codes.codes.shape == (32, 4, 3)
+    assert lin.nbytes == 32 * 64 + 32 * 4 * 3 + 2 * codes.table.numel()  # nibbles + codes + table
     x = torch.randn(2, 128, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(lin.apply(x), x @ w.t(), rtol=1e-5, atol=1e-5)
-    assert torch.equal(dequantize_int4(lin.weight), w)
+    assert torch.equal(dequantize_int4(lin.weight), w)  # (expands the codes back to float16)
+    assert lin.weight.codes is None and lin.weight.scales.dtype == torch.float16
+    many, w_many = _float_zero_case(64, 4096, 32, seed=4)  # 8192 groups: > 4096 distinct values
+    with int4_cpu_compute("float32"):
+        wide = make_linear_weight(many, "int4", torch.float32)
+    assert wide.weight.codes is None and wide.weight.scales.dtype == torch.float16
+    assert wide.nbytes == 64 * 2048 + 2 * (64 * 128 * 2)
+    torch.testing.assert_close(
+        wide.apply(x.repeat(1, 32)), x.repeat(1, 32) @ w_many.t(), rtol=1e-5, atol=1e-4
+    )
     fresh, _ = _float_zero_case(32, 128, 32, seed=3)  # (make_linear_weight adopts the object it gets)
     odd = Int4Weight(32, 128, 32, False, fresh.packed, fresh.scales * (1 + 2**-20), None, fresh.mins)
     with int4_cpu_compute("float32"):
