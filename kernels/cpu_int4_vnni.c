@@ -1,0 +1,9 @@
+/* Float32-accurate INT4 GEMM with AVX-512 VNNI integer dot products (in progress). */
+#include <stdint.h>
+
+int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed16, const void *scales,
+                              const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads) {
+    (void)x, (void)m, (void)k, (void)packed16, (void)scales, (void)offsets, (void)mode, (void)n, (void)group;
+    (void)y, (void)threads;
+    return 5; /* not built with VNNI */
+}
