@@ -5,15 +5,18 @@
  * w = q * scale + offset (every zero-point form reduces to this). `mode` says how the parameters are
  * held: 0, `scales` and `offsets` float32 [N, K/group]; 1, both float16, when that holds them
  * exactly (GGUF Q4_0/Q4_1); 2, codes (kernels/int4_codes.py): `scales` is uint8 [N, K/group, 3],
- * each group's 24 bits two 12-bit indices (scale low, offset high) into `offsets`, a float16 table. x is split once per call into its even and odd k (the
- * nibbles never need interleaving). Up to FUSED_MAX_M rows of x (AVX-512): each group of W is
- * dequantized straight into registers feeding up to 8 accumulators, rows of W in pairs from 8 rows
- * of x on. More rows: each thread dequantizes one row of W at a time into float32 buffers shared by
- * blocks of 4 rows of x. Built at run time
+ * each group's 24 bits two 12-bit indices (scale low, offset high) into `offsets`, a float16
+ * table. A thread decodes a row's parameters into float32 once, before its groups.
+ *
+ * x is split once per call into its even and odd k (the nibbles never need interleaving). Up to
+ * FUSED_MAX_M rows of x (AVX-512): each group of W is dequantized straight into registers feeding
+ * up to 8 accumulators, rows of W in pairs from 8 rows of x on. More rows: each thread dequantizes
+ * one row of W at a time into a float32 buffer shared by blocks of 4 rows of x. Built at run time
  * by kernels/cpu_int4_native.py (gcc -O3 -march=native -fopenmp) and called through ctypes.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -21,6 +24,13 @@
 #ifndef FUSED_MAX_M
 #define FUSED_MAX_M 16
 #endif
+
+/* float buffers on 64-byte lines: malloc's 16-byte alignment left many x loads split across cache
+ * lines, costing 5-27% of a GEMM depending on where the copies landed */
+static float *alloc_floats(int64_t count) {
+    const size_t bytes = ((size_t)(count > 0 ? count : 1) * sizeof(float) + 63) / 64 * 64;
+    return (float *)aligned_alloc(64, bytes);
+}
 
 static inline float from_half(uint16_t h) {
 #ifdef __F16C__
@@ -31,38 +41,42 @@ static inline float from_half(uint16_t h) {
 #endif
 }
 
-/* group g's scale and offset; s and o point at the row's parameters (see row_params) */
-static inline void group_params(const void *s, const void *o, int64_t g, int mode, float *sc, float *of) {
+/* row r's scales and offsets, whatever the mode, as float32 sc[groups] and of[groups]: decoded once
+ * per row of W, then every group and every row of x reads floats */
+static void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, float *sc, float *of) {
     if (mode == 2) {
-        const uint8_t *c = (const uint8_t *)s + 3 * g;
-        const uint32_t code = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
-        *sc = from_half(((const uint16_t *)o)[code & 0xFFF]);
-        *of = from_half(((const uint16_t *)o)[code >> 12]);
+        const uint8_t *c = (const uint8_t *)s + r * groups * 3;
+        const uint16_t *table = (const uint16_t *)o;
+        int64_t g = 0;
+        for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
+            uint32_t code;
+            memcpy(&code, c, 4);
+            sc[g] = from_half(table[code & 0xFFF]);
+            of[g] = from_half(table[(code >> 12) & 0xFFF]);
+        }
+        if (g < groups) {
+            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
+            sc[g] = from_half(table[last & 0xFFF]);
+            of[g] = from_half(table[last >> 12]);
+        }
     } else if (mode == 1) {
-        *sc = from_half(((const uint16_t *)s)[g]);
-        *of = from_half(((const uint16_t *)o)[g]);
+        const uint16_t *rs = (const uint16_t *)s + r * groups, *ro = (const uint16_t *)o + r * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            sc[g] = from_half(rs[g]);
+            of[g] = from_half(ro[g]);
+        }
     } else {
-        *sc = ((const float *)s)[g];
-        *of = ((const float *)o)[g];
+        memcpy(sc, (const float *)s + r * groups, sizeof(float) * (size_t)groups);
+        memcpy(of, (const float *)o + r * groups, sizeof(float) * (size_t)groups);
     }
-}
-
-/* row r's parameters: both arrays advance by a row, except a code table, which every row shares */
-static inline void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, const void **rs,
-                              const void **ro) {
-    const int64_t width = mode == 2 ? 3 : mode == 1 ? 2 : 4; /* bytes per group in `s` */
-    *rs = (const char *)s + r * groups * width;
-    *ro = mode == 2 ? o : (const char *)o + r * groups * width;
 }
 
 #ifdef __AVX512F__
 /* group g's 16 possible weights, q * scale + offset (two roundings, as the reference), to be looked
  * up by nibble: one permute per 16 weights instead of a convert, a multiply and an add */
-static inline __m512 group_table(const void *s, const void *o, int64_t g, int mode) {
+static inline __m512 group_table(const float *sc, const float *of, int64_t g) {
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    float sc, of;
-    group_params(s, o, g, mode, &sc, &of);
-    return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(sc)), _mm512_set1_ps(of));
+    return _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(sc[g])), _mm512_set1_ps(of[g]));
 }
 
 /* 16 packed bytes -> the weights of their low nibbles (even k) and of their high nibbles (odd k) */
@@ -79,16 +93,15 @@ static inline __m512 scaled16_i8(const int8_t *q, __m512 scale) {
 #endif
 
 /* One row of W -> float32 weights of the even k (we) and of the odd k (wo), K/2 each. */
-static void dequant_row(const uint8_t *p, const void *s, const void *o, int mode, int64_t k, int64_t group,
-                        float *we, float *wo) {
+static void dequant_row(const uint8_t *p, const float *scs, const float *ofs, int64_t k, int64_t group, float *we,
+                        float *wo) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        float sc, of;
-        group_params(s, o, g0 / group, mode, &sc, &of);
+        const float sc = scs[g0 / group], of = ofs[g0 / group];
         const uint8_t *pb = p + g0 / 2;
         float *e = we + g0 / 2, *d = wo + g0 / 2;
         int64_t j = 0;
 #ifdef __AVX512F__
-        const __m512 table = group_table(s, o, g0 / group, mode);
+        const __m512 table = group_table(scs, ofs, g0 / group);
         for (; j + 16 <= group / 2; j += 16) {
             __m512 ve, vo;
             lookup16(pb + j, table, &ve, &vo);
@@ -132,13 +145,13 @@ static void dot_rows(const float *we, const float *wo, const float *xe, const fl
  * (q * scale, then + offset: two roundings) straight into registers: each dequantized vector of 16
  * weights feeds R accumulators and is never stored. Needs group % 32 == 0. */
 #define DEFINE_FUSED_ROWS(R)                                                                          \
-    static void fused_rows_##R(const uint8_t *p, const void *s, const void *o, int mode, int64_t k,    \
+    static void fused_rows_##R(const uint8_t *p, const float *sc, const float *of, int64_t k,           \
                                int64_t group, const float *xe, const float *xo, int64_t h, float *out, \
                                int64_t stride) {                                                     \
         __m512 acc[R];                                                                                \
         for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                   \
         for (int64_t g0 = 0; g0 < k; g0 += group) {                                                  \
-            const __m512 table = group_table(s, o, g0 / group, mode);                                \
+            const __m512 table = group_table(sc, of, g0 / group);                                    \
             for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {                                \
                 __m512 we, wo;                                                                       \
                 lookup16(p + j, table, &we, &wo);                                                    \
@@ -159,14 +172,14 @@ DEFINE_FUSED_ROWS(6)
 DEFINE_FUSED_ROWS(7)
 DEFINE_FUSED_ROWS(8)
 /* the same for two rows of W at once (r and r + 1, `wstride` bytes apart in the packed weights, with
- * parameters s, o and s1, o1) over 8 rows of x: each load of x feeds two accumulators */
-static void fused_pair_8(const uint8_t *p, const void *s, const void *o, const void *s1, const void *o1, int mode,
+ * parameters sc, of and sc1, of1) over 8 rows of x: each load of x feeds two accumulators */
+static void fused_pair_8(const uint8_t *p, const float *sc, const float *of, const float *sc1, const float *of1,
                          int64_t k, int64_t group, const float *xe, const float *xo, int64_t h, float *out,
                          int64_t stride, int64_t wstride) {
     __m512 a0[8], a1[8];
     for (int i = 0; i < 8; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-        const __m512 t0 = group_table(s, o, g0 / group, mode), t1 = group_table(s1, o1, g0 / group, mode);
+        const __m512 t0 = group_table(sc, of, g0 / group), t1 = group_table(sc1, of1, g0 / group);
         for (int64_t j = g0 / 2; j < (g0 + group) / 2; j += 16) {
             __m512 we0, wo0, we1, wo1;
             lookup16(p + j, t0, &we0, &wo0);
@@ -183,7 +196,7 @@ static void fused_pair_8(const uint8_t *p, const void *s, const void *o, const v
         out[i * stride + 1] = _mm512_reduce_add_ps(a1[i]);
     }
 }
-typedef void (*fused_fn)(const uint8_t *, const void *, const void *, int, int64_t, int64_t, const float *,
+typedef void (*fused_fn)(const uint8_t *, const float *, const float *, int64_t, int64_t, const float *,
                          const float *, int64_t, float *, int64_t);
 static const fused_fn FUSED[9] = {0,           fused_rows_1, fused_rows_2, fused_rows_3, fused_rows_4,
                                   fused_rows_5, fused_rows_6, fused_rows_7, fused_rows_8};
@@ -197,8 +210,7 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
     if (mode) return 3;
 #endif
     const int64_t groups = k / group, h = k / 2;
-    float *xe = (float *)malloc(sizeof(float) * (size_t)(m * h));
-    float *xo = (float *)malloc(sizeof(float) * (size_t)(m * h));
+    float *xe = alloc_floats(m * h), *xo = alloc_floats(m * h);
     if (!xe || !xo) {
         free(xe);
         free(xo);
@@ -212,54 +224,59 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
     int failed = 0;
 #ifdef __AVX512F__
     /* a few rows of x: dequantize into registers (each row of W once per 8 rows of x) */
-    if (group % 32 == 0 && m <= FUSED_MAX_M) {
-        const int64_t pairs = m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
-            const int64_t r = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
-            for (int64_t i = 0; i < m;) {
-                const int rows = m - i < 8 ? (int)(m - i) : 8;
-                if (u < pairs && rows == 8) {
-                    const void *s0, *o0, *s1, *o1;
-                    row_params(scales, offsets, mode, groups, r, &s0, &o0);
-                    row_params(scales, offsets, mode, groups, r + 1, &s1, &o1);
-                    fused_pair_8(packed + r * h, s0, o0, s1, o1, mode, k, group, xe + i * h, xo + i * h, h,
-                                 y + i * n + r, n, h);
-                } else {
-                    for (int64_t w = r; w < (u < pairs ? r + 2 : r + 1); w++) {
-                        const void *sw, *ow;
-                        row_params(scales, offsets, mode, groups, w, &sw, &ow);
-                        FUSED[rows](packed + w * h, sw, ow, mode, k, group, xe + i * h, xo + i * h, h, y + i * n + w,
-                                    n);
-                    }
-                }
-                i += rows;
-            }
-        }
-        free(xe);
-        free(xo);
-        return 0;
-    }
+    const int fused = group % 32 == 0 && m <= FUSED_MAX_M;
+#else
+    const int fused = 0;
 #endif
+    const int64_t pairs = fused && m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
 #pragma omp parallel num_threads(threads)
     {
-        float *w = (float *)malloc(sizeof(float) * (size_t)k);
-        if (!w) {
+        /* per thread: two rows' parameters (sc, of each), and one dequantized row when not fused */
+        float *buf = alloc_floats(4 * groups + (fused ? 0 : k));
+        if (!buf) {
 #pragma omp atomic write
             failed = 2;
+        }
+        /* every thread reaches the same worksharing loop; one without its buffer skips the rows */
+        if (fused) {
+#ifdef __AVX512F__
+            float *sc0 = buf, *of0 = buf + groups, *sc1 = buf + 2 * groups, *of1 = buf + 3 * groups;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
+                if (!buf) continue;
+                const int64_t r = u < pairs ? 2 * u : 2 * pairs + (u - pairs);
+                const int two = u < pairs;
+                row_params(scales, offsets, mode, groups, r, sc0, of0);
+                if (two) row_params(scales, offsets, mode, groups, r + 1, sc1, of1);
+                for (int64_t i = 0; i < m;) {
+                    const int rows = m - i < 8 ? (int)(m - i) : 8;
+                    if (two && rows == 8) {
+                        fused_pair_8(packed + r * h, sc0, of0, sc1, of1, k, group, xe + i * h, xo + i * h, h,
+                                     y + i * n + r, n, h);
+                    } else {
+                        FUSED[rows](packed + r * h, sc0, of0, k, group, xe + i * h, xo + i * h, h, y + i * n + r, n);
+                        if (two)
+                            FUSED[rows](packed + (r + 1) * h, sc1, of1, k, group, xe + i * h, xo + i * h, h,
+                                        y + i * n + r + 1, n);
+                    }
+                    i += rows;
+                }
+            }
+#endif
         } else {
+            float *sc = buf, *of = buf + groups, *w = buf + 4 * groups;
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                const void *sr, *or_;
-                row_params(scales, offsets, mode, groups, r, &sr, &or_);
-                dequant_row(packed + r * h, sr, or_, mode, k, group, w, w + h);
+                if (!buf) continue;
+                row_params(scales, offsets, mode, groups, r, sc, of);
+                dequant_row(packed + r * h, sc, of, k, group, w, w + h);
                 for (int64_t i = 0; i < m; i += 4) {
                     const int rows = m - i < 4 ? (int)(m - i) : 4;
                     dot_rows(w, w + h, xe + i * h, xo + i * h, h, rows, y + i * n + r, n);
                 }
             }
-            free(w);
         }
+        free(buf);
     }
     free(xe);
     free(xo);
@@ -384,19 +401,19 @@ int pagoda_int8_gemm_f32(const float *x, int64_t m, int64_t k, const int8_t *q, 
 #endif
 #pragma omp parallel num_threads(threads)
     {
-        float *w = (float *)malloc(sizeof(float) * (size_t)k);
+        float *w = alloc_floats(k);
         if (!w) {
 #pragma omp atomic write
             failed = 2;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                dequant_row_i8(q + r * k, scales + r * groups, k, group, w);
-                for (int64_t i = 0; i < m; i += 4)
-                    dot4_f32(w, x + i * k, k, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
-            }
-            free(w);
         }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; r++) {
+            if (!w) continue; /* every thread reaches the loop; one without its buffer skips its rows */
+            dequant_row_i8(q + r * k, scales + r * groups, k, group, w);
+            for (int64_t i = 0; i < m; i += 4)
+                dot4_f32(w, x + i * k, k, m - i < 4 ? (int)(m - i) : 4, y + i * n + r, n);
+        }
+        free(w);
     }
     return failed;
 }
