@@ -1,9 +1,257 @@
-/* Float32-accurate INT4 GEMM with AVX-512 VNNI integer dot products (in progress). */
+/* Float32-accurate INT4 GEMM with AVX-512 VNNI integer dot products: y[M, N] = x[M, K] @ dequant(W)^T.
+ *
+ * W: the canonical nibbles of kernels/cpu_int4.c (packed uint8 [N, K/2], k = 2j low nibble of byte j,
+ * 2j + 1 high), interleaved 16 rows at a time: N padded with zero rows to N16 (a multiple of 16), viewed
+ * as [N16/16, 16, K/8, 4] and permuted to [N16/16, K/8, 16, 4], so dword column j of 16 rows (k = 8j ..
+ * 8j + 7 of each, as in its canonical row) is one 64-byte vector: the 16 rows sit in the 16 int32 lanes
+ * of _mm512_dpbusd_epi32. Scales and offsets keep their canonical [N, K/group] forms and `mode` (0
+ * float32, 1 float16, 2 codes into a float16 table, see kernels/int4_codes.py); w = q * scale + offset.
+ *
+ * x is split once per call into blocks of 32 k. A block gets a power-of-two step e and X = round(x / e)
+ * with |X| <= 127 * 2^16 (24 bits relative to the block's max|x|), held as 3 balanced signed int8 limbs
+ * X = hi * 2^16 + mid * 2^8 + lo: 2 limbs (16 bits) cost 1e-4 of max|y|, 3 limbs bring the error to the
+ * float32 kernel's level (~5e-7). Per block and row the integer sums q . (hi * 256 + mid) < 2^24 and
+ * q . lo are exact in float32 and joined by one FMA, then y += scale * e * dot + offset * e * sum(X).
+ *
+ * Returns 0 ok; 1 bad shape (m, n < 1, k % 32, group % 32, k % group); 2 allocation failure; 4 bad
+ * mode; 5 built without AVX-512 F/BW/VNNI and F16C (the caller runs the float32 kernel); 6 x holds a
+ * NaN or an infinity (the caller runs the float32 kernel, so results keep float semantics).
+ */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define PAGODA_VNNI 1
+#include <immintrin.h>
+#endif
+
+#ifdef PAGODA_VNNI
+/* one row of x over 32 k: limbs as dwords of 4 bytes, dword 2j holding k = 8j + 0, 2, 4, 6 and dword
+ * 2j + 1 k = 8j + 1, 3, 5, 7 (the order of the low and high nibbles of a W dword); e the step and sx
+ * e * sum(X). 128 bytes, on 64-byte lines. */
+typedef struct {
+    int32_t hi[8], mid[8], lo[8];
+    float e, sx;
+    int32_t pad[6];
+} xblock;
+
+#define XLIMIT 8323072 /* 127 * 2^16: the top balanced digit stays within int8 */
+#define XBITS 23       /* 2^(XBITS-1) < XLIMIT < 2^XBITS */
+
+static inline float pow2f(int ex) { /* a normal power of two, -126 <= ex <= 127 */
+    const uint32_t bits = (uint32_t)(ex + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 32 floats at v -> out; returns 1 when one of them is not finite */
+static inline int prepare_block(const float *v, xblock *out) {
+    const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1), inf = _mm512_set1_ps(__builtin_inff());
+    /* NaN compares unordered and inf not less: both leave a lane out */
+    const __mmask16 finite = _mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ);
+    if (finite != 0xFFFF) return 1;
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    /* the smallest e = 2^ex with amax / e <= XLIMIT, but a normal float (ex >= -126: blocks below
+     * ~2^-103 keep what survives a step of 2^-126) */
+    uint32_t bits;
+    memcpy(&bits, &amax, 4);
+    int ex = (int)(bits >> 23) - 127 - (XBITS - 1);
+    if (ex < -126) ex = -126;
+    if (amax > (float)XLIMIT * pow2f(ex)) ex++;
+    const __m512 inv = _mm512_set1_ps(pow2f(-ex));
+    /* x / e is exact; the conversion rounds to nearest even; |X| <= XLIMIT */
+    const __m512i X0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv));
+    const __m512i X1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    const __m512i c128 = _mm512_set1_epi32(128);
+    /* balanced base-256 digits: t = (X + 128) >> 8, digit = X - 256 t in [-128, 127] */
+    const __m512i t0 = _mm512_srai_epi32(_mm512_add_epi32(X0, c128), 8);
+    const __m512i t1 = _mm512_srai_epi32(_mm512_add_epi32(X1, c128), 8);
+    const __m512i l0 = _mm512_sub_epi32(X0, _mm512_slli_epi32(t0, 8));
+    const __m512i l1 = _mm512_sub_epi32(X1, _mm512_slli_epi32(t1, 8));
+    const __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(t0, c128), 8);
+    const __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(t1, c128), 8);
+    const __m512i m0 = _mm512_sub_epi32(t0, _mm512_slli_epi32(h0, 8));
+    const __m512i m1 = _mm512_sub_epi32(t1, _mm512_slli_epi32(h1, 8));
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    _mm_store_si128((__m128i *)&out->hi[0], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(h0), order));
+    _mm_store_si128((__m128i *)&out->hi[4], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(h1), order));
+    _mm_store_si128((__m128i *)&out->mid[0], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(m0), order));
+    _mm_store_si128((__m128i *)&out->mid[4], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(m1), order));
+    _mm_store_si128((__m128i *)&out->lo[0], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(l0), order));
+    _mm_store_si128((__m128i *)&out->lo[4], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(l1), order));
+    out->e = pow2f(ex);
+    /* |sum X| < 2^28: one rounding to float, times a power of two */
+    out->sx = (float)_mm512_reduce_add_epi32(_mm512_add_epi32(X0, X1)) * out->e;
+    return 0;
+}
+
+/* row r's scales and offsets as float32 sc[groups], of[groups] (the decoding of kernels/cpu_int4.c) */
+static void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, float *sc, float *of) {
+    if (mode == 2) {
+        const uint8_t *c = (const uint8_t *)s + r * groups * 3;
+        const uint16_t *table = (const uint16_t *)o;
+        int64_t g = 0;
+        for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
+            uint32_t code;
+            memcpy(&code, c, 4);
+            sc[g] = _cvtsh_ss(table[code & 0xFFF]);
+            of[g] = _cvtsh_ss(table[(code >> 12) & 0xFFF]);
+        }
+        if (g < groups) {
+            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
+            sc[g] = _cvtsh_ss(table[last & 0xFFF]);
+            of[g] = _cvtsh_ss(table[last >> 12]);
+        }
+    } else if (mode == 1) {
+        const uint16_t *rs = (const uint16_t *)s + r * groups, *ro = (const uint16_t *)o + r * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            sc[g] = _cvtsh_ss(rs[g]);
+            of[g] = _cvtsh_ss(ro[g]);
+        }
+    } else {
+        memcpy(sc, (const float *)s + r * groups, sizeof(float) * (size_t)groups);
+        memcpy(of, (const float *)o + r * groups, sizeof(float) * (size_t)groups);
+    }
+}
+
+/* The parameters of rows r0 .. r0 + rows - 1 as d[groups][16], o[groups][16] (zeros past `rows`);
+ * tmp holds 2 * groups floats. */
+static void block_params(const void *s, const void *o, int mode, int64_t groups, int64_t r0, int rows, float *tmp,
+                         float *d, float *of) {
+    memset(d, 0, sizeof(float) * 16 * (size_t)groups);
+    memset(of, 0, sizeof(float) * 16 * (size_t)groups);
+    for (int r = 0; r < rows; r++) {
+        row_params(s, o, mode, groups, r0 + r, tmp, tmp + groups);
+        for (int64_t g = 0; g < groups; g++) {
+            d[g * 16 + r] = tmp[g];
+            of[g * 16 + r] = tmp[groups + g];
+        }
+    }
+}
+
+/* R rows of x (xq, `blocks` xblocks per row) against one block of 16 rows of W (w: its K/8 x 64 bytes;
+ * d, o: [groups][16]); `per` x blocks per W group; stores the `mask` columns of y. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *w, const float *d, const float *o,
+                                                       int64_t groups, int64_t per, const xblock *xq,
+                                                       int64_t blocks, float *y, int64_t n, __mmask16 mask,
+                                                       const int R) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512 c256 = _mm512_set1_ps(256.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 dg = _mm512_loadu_ps(d + g * 16), og = _mm512_loadu_ps(o + g * 16);
+        for (int64_t b = g * per; b < (g + 1) * per; b++) {
+            __m512i q[8]; /* q[2j]: low nibbles of dword column j (k 0, 2, 4, 6), q[2j + 1]: high ones */
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(w + (b * 4 + j) * 64));
+                q[2 * j] = _mm512_and_si512(v, low4);
+                q[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low4);
+            }
+#pragma GCC unroll 16
+            for (int i = 0; i < R; i++) {
+                const xblock *xb = xq + i * blocks + b;
+                __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+                __m512i u0 = _mm512_setzero_si512(), u1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    t0 = _mm512_dpbusd_epi32(t0, q[2 * j], _mm512_set1_epi32(xb->hi[2 * j]));
+                    t1 = _mm512_dpbusd_epi32(t1, q[2 * j + 1], _mm512_set1_epi32(xb->hi[2 * j + 1]));
+                }
+                t0 = _mm512_slli_epi32(t0, 8);
+                t1 = _mm512_slli_epi32(t1, 8);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    t0 = _mm512_dpbusd_epi32(t0, q[2 * j], _mm512_set1_epi32(xb->mid[2 * j]));
+                    t1 = _mm512_dpbusd_epi32(t1, q[2 * j + 1], _mm512_set1_epi32(xb->mid[2 * j + 1]));
+                    u0 = _mm512_dpbusd_epi32(u0, q[2 * j], _mm512_set1_epi32(xb->lo[2 * j]));
+                    u1 = _mm512_dpbusd_epi32(u1, q[2 * j + 1], _mm512_set1_epi32(xb->lo[2 * j + 1]));
+                }
+                /* |q . (256 hi + mid)| < 2^24 and |q . lo| < 2^16: exact; one rounding joins them */
+                const __m512 top = _mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1));
+                const __m512 bottom = _mm512_cvtepi32_ps(_mm512_add_epi32(u0, u1));
+                const __m512 dot = _mm512_mul_ps(_mm512_fmadd_ps(top, c256, bottom), _mm512_set1_ps(xb->e));
+                acc[i] = _mm512_fmadd_ps(dg, dot, acc[i]);
+                acc[i] = _mm512_fmadd_ps(og, _mm512_set1_ps(xb->sx), acc[i]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * n, mask, acc[i]);
+}
+
+typedef void (*tile_fn)(const uint8_t *, const float *, const float *, int64_t, int64_t, const xblock *, int64_t,
+                        float *, int64_t, __mmask16);
+#define DEFINE_TILE(R)                                                                                        \
+    static void tile_##R(const uint8_t *w, const float *d, const float *o, int64_t groups, int64_t per,        \
+                         const xblock *xq, int64_t blocks, float *y, int64_t n, __mmask16 mask) {              \
+        tile(w, d, o, groups, per, xq, blocks, y, n, mask, R);                                                \
+    }
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(4)
+DEFINE_TILE(8)
+DEFINE_TILE(16)
+#endif
 
 int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed16, const void *scales,
                               const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads) {
+#ifndef PAGODA_VNNI
     (void)x, (void)m, (void)k, (void)packed16, (void)scales, (void)offsets, (void)mode, (void)n, (void)group;
     (void)y, (void)threads;
-    return 5; /* not built with VNNI */
+    return 5;
+#else
+    if (m < 1 || n < 1 || k < 32 || group < 32 || k % 32 || group % 32 || k % group) return 1;
+    if (mode < 0 || mode > 2) return 4;
+    if (threads < 1) threads = 1;
+    const int64_t blocks = k / 32, groups = k / group, per = group / 32, nblocks = (n + 15) / 16;
+    xblock *xq = (xblock *)aligned_alloc(64, sizeof(xblock) * (size_t)(m * blocks));
+    if (!xq) return 2;
+    int failed = 0, bad = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per thread: d and o [groups][16] plus one row's 2 * groups floats */
+        float *buf = (float *)aligned_alloc(64, ((sizeof(float) * 34 * (size_t)groups) + 63) / 64 * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m * blocks; t++) {
+            const int64_t i = t / blocks, b = t % blocks;
+            if (prepare_block(x + i * k + b * 32, xq + t)) {
+#pragma omp atomic write
+                bad = 1;
+            }
+        } /* the barrier: every block is ready, `bad` final */
+        int skip;
+#pragma omp atomic read
+        skip = bad;
+        /* every thread reaches this loop; one without its buffer, or any when x is not finite, skips */
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (!buf || skip) continue;
+            const int64_t r0 = nb * 16;
+            const int rows = n - r0 < 16 ? (int)(n - r0) : 16;
+            float *d = buf, *o = buf + 16 * groups;
+            block_params(scales, offsets, mode, groups, r0, rows, buf + 32 * groups, d, o);
+            const uint8_t *w = packed16 + nb * (k / 8) * 64;
+            const __mmask16 mask = (__mmask16)((1u << rows) - 1);
+            static const tile_fn TILES[17] = {[1] = tile_1, [2] = tile_2, [4] = tile_4, [8] = tile_8,
+                                              [16] = tile_16};
+            for (int64_t i = 0; i < m;) {
+                const int R = m - i >= 16 ? 16 : m - i >= 8 ? 8 : m - i >= 4 ? 4 : m - i >= 2 ? 2 : 1;
+                TILES[R](w, d, o, groups, per, xq + i * blocks, blocks, y + i * n + r0, n, mask);
+                i += R;
+            }
+        }
+        free(buf);
+    }
+    free(xq);
+    return bad ? 6 : failed;
+#endif
 }
