@@ -37,6 +37,7 @@ typedef struct {
 
 #define XLIMIT 8323072 /* 127 * 2^16: the top balanced digit stays within int8 */
 #define XBITS 23       /* 2^(XBITS-1) < XLIMIT < 2^XBITS */
+#define PREP_SERIAL_BLOCKS 1024 /* x blocks prepared before the parallel region (~10 ns each) */
 
 static inline float pow2f(int ex) { /* a normal power of two, -126 <= ex <= 127 */
     const uint32_t bits = (uint32_t)(ex + 127) << 23;
@@ -212,6 +213,15 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
     xblock *xq = (xblock *)aligned_alloc(64, sizeof(xblock) * (size_t)(m * blocks));
     if (!xq) return 2;
     int failed = 0, bad = 0;
+    /* few blocks (decode): prepared by this thread, which spares the team a barrier (one that costs a
+     * scheduler slice when another process holds a core) */
+    const int serial = m * blocks <= PREP_SERIAL_BLOCKS;
+    for (int64_t t = 0; serial && t < m * blocks; t++)
+        bad |= prepare_block(x + (t / blocks) * k + (t % blocks) * 32, xq + t);
+    if (bad) {
+        free(xq);
+        return 6;
+    }
 #pragma omp parallel num_threads(threads)
     {
         /* per thread: d and o [groups][16] plus one row's 2 * groups floats */
@@ -220,14 +230,16 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
 #pragma omp atomic write
             failed = 2;
         }
+        if (!serial) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < m * blocks; t++) {
-            const int64_t i = t / blocks, b = t % blocks;
-            if (prepare_block(x + i * k + b * 32, xq + t)) {
+            for (int64_t t = 0; t < m * blocks; t++) {
+                const int64_t i = t / blocks, b = t % blocks;
+                if (prepare_block(x + i * k + b * 32, xq + t)) {
 #pragma omp atomic write
-                bad = 1;
-            }
-        } /* the barrier: every block is ready, `bad` final */
+                    bad = 1;
+                }
+            } /* the barrier: every block is ready, `bad` final */
+        }
         int skip;
 #pragma omp atomic read
         skip = bad;
