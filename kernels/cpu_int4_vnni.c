@@ -88,46 +88,41 @@ static inline int prepare_block(const float *v, xblock *out) {
     return 0;
 }
 
-/* row r's scales and offsets as float32 sc[groups], of[groups] (the decoding of kernels/cpu_int4.c) */
-static void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, float *sc, float *of) {
-    if (mode == 2) {
-        const uint8_t *c = (const uint8_t *)s + r * groups * 3;
-        const uint16_t *table = (const uint16_t *)o;
-        int64_t g = 0;
-        for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
-            uint32_t code;
-            memcpy(&code, c, 4);
-            sc[g] = _cvtsh_ss(table[code & 0xFFF]);
-            of[g] = _cvtsh_ss(table[(code >> 12) & 0xFFF]);
-        }
-        if (g < groups) {
-            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
-            sc[g] = _cvtsh_ss(table[last & 0xFFF]);
-            of[g] = _cvtsh_ss(table[last >> 12]);
-        }
-    } else if (mode == 1) {
-        const uint16_t *rs = (const uint16_t *)s + r * groups, *ro = (const uint16_t *)o + r * groups;
-        for (int64_t g = 0; g < groups; g++) {
-            sc[g] = _cvtsh_ss(rs[g]);
-            of[g] = _cvtsh_ss(ro[g]);
-        }
-    } else {
-        memcpy(sc, (const float *)s + r * groups, sizeof(float) * (size_t)groups);
-        memcpy(of, (const float *)o + r * groups, sizeof(float) * (size_t)groups);
-    }
-}
-
-/* The parameters of rows r0 .. r0 + rows - 1 as d[groups][16], o[groups][16] (zeros past `rows`);
- * tmp holds 2 * groups floats. */
-static void block_params(const void *s, const void *o, int mode, int64_t groups, int64_t r0, int rows, float *tmp,
-                         float *d, float *of) {
-    memset(d, 0, sizeof(float) * 16 * (size_t)groups);
-    memset(of, 0, sizeof(float) * 16 * (size_t)groups);
+/* The parameters of rows r0 .. r0 + rows - 1, whatever the mode (the decoding of kernels/cpu_int4.c), as
+ * float32 d[groups][16] and of[groups][16], zeros past `rows`: decoded once per block of 16 rows. */
+static void block_params(const void *s, const void *o, int mode, int64_t groups, int64_t r0, int rows, float *d,
+                         float *of) {
+    if (rows < 16)
+        for (int64_t g = 0; g < groups; g++)
+            for (int r = rows; r < 16; r++) d[g * 16 + r] = of[g * 16 + r] = 0.0f;
     for (int r = 0; r < rows; r++) {
-        row_params(s, o, mode, groups, r0 + r, tmp, tmp + groups);
-        for (int64_t g = 0; g < groups; g++) {
-            d[g * 16 + r] = tmp[g];
-            of[g * 16 + r] = tmp[groups + g];
+        const int64_t row = r0 + r;
+        float *dr = d + r, *orr = of + r;
+        if (mode == 2) {
+            const uint8_t *c = (const uint8_t *)s + row * groups * 3;
+            const uint16_t *table = (const uint16_t *)o;
+            int64_t g = 0;
+            for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
+                uint32_t code;
+                memcpy(&code, c, 4);
+                dr[g * 16] = _cvtsh_ss(table[code & 0xFFF]);
+                orr[g * 16] = _cvtsh_ss(table[(code >> 12) & 0xFFF]);
+            }
+            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
+            dr[g * 16] = _cvtsh_ss(table[last & 0xFFF]);
+            orr[g * 16] = _cvtsh_ss(table[last >> 12]);
+        } else if (mode == 1) {
+            const uint16_t *rs = (const uint16_t *)s + row * groups, *ro = (const uint16_t *)o + row * groups;
+            for (int64_t g = 0; g < groups; g++) {
+                dr[g * 16] = _cvtsh_ss(rs[g]);
+                orr[g * 16] = _cvtsh_ss(ro[g]);
+            }
+        } else {
+            const float *rs = (const float *)s + row * groups, *ro = (const float *)o + row * groups;
+            for (int64_t g = 0; g < groups; g++) {
+                dr[g * 16] = rs[g];
+                orr[g * 16] = ro[g];
+            }
         }
     }
 }
@@ -224,8 +219,8 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
     }
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: d and o [groups][16] plus one row's 2 * groups floats */
-        float *buf = (float *)aligned_alloc(64, ((sizeof(float) * 34 * (size_t)groups) + 63) / 64 * 64);
+        /* per thread: d and o [groups][16] */
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * 32 * (size_t)groups);
         if (!buf) {
 #pragma omp atomic write
             failed = 2;
@@ -250,7 +245,7 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
             const int64_t r0 = nb * 16;
             const int rows = n - r0 < 16 ? (int)(n - r0) : 16;
             float *d = buf, *o = buf + 16 * groups;
-            block_params(scales, offsets, mode, groups, r0, rows, buf + 32 * groups, d, o);
+            block_params(scales, offsets, mode, groups, r0, rows, d, o);
             const uint8_t *w = packed16 + nb * (k / 8) * 64;
             const __mmask16 mask = (__mmask16)((1u << rows) - 1);
             static const tile_fn TILES[17] = {[1] = tile_1, [2] = tile_2, [4] = tile_4, [8] = tile_8,
