@@ -19,6 +19,8 @@
 
 #include "cpu_math.h"
 
+int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed16, const void *scales,
+                              const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads);
 int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *packed, const void *scales,
                          const void *offsets, int mode, int64_t n, int64_t group, float *y, int threads);
 int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
@@ -30,9 +32,9 @@ int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, cons
                         const int32_t *lens, float scale, float *out, int threads);
 
 typedef struct {
-    const uint8_t *packed; /* [n, k / 2] */
+    const uint8_t *packed; /* [n, k / 2], or the 16-row layout of cpu_int4_vnni.c when interleaved */
     const void *scales, *offsets; /* as pagoda_int4_gemm_f32 reads them in parameter mode `mode` */
-    int64_t mode, n, k, group;
+    int64_t mode, n, k, group, interleaved;
 } pagoda_i4;
 
 typedef struct {
@@ -117,7 +119,12 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
     for (; j < n; j++) out[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
 }
 
+/* the VNNI kernel for interleaved weights (code 6, NaN or inf in x, fails the layer: the caller then
+ * runs the per-op path), else the float32 one */
 static int gemm(const pagoda_i4 *w, const float *x, int64_t m, float *y, int threads) {
+    if (w->interleaved)
+        return pagoda_int4_vnni_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->mode, w->n, w->group,
+                                         y, threads);
     return pagoda_int4_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->mode, w->n, w->group, y,
                                 threads);
 }

@@ -24,7 +24,7 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _I4(ctypes.Structure):
     _fields_ = [
         ("packed", _ptr), ("scales", _ptr), ("offsets", _ptr),
-        ("mode", _i64), ("n", _i64), ("k", _i64), ("group", _i64),
+        ("mode", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("interleaved", _i64),
     ]  # fmt: skip
 
 
@@ -62,16 +62,19 @@ def library() -> ctypes.CDLL | None:
 
 def _i4(w: Int4Weight) -> _I4:
     scales, offsets, mode = w.native_params()
+    nibbles, interleaved = w.native_nibbles()
     return _I4(
-        w.packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-        mode, w.out_features, w.in_features, w.group_size,
+        nibbles.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+        mode, w.out_features, w.in_features, w.group_size, int(interleaved),
     )  # fmt: skip
 
 
 def int4_servable(w: object) -> bool:
     """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, parameters
     the kernel reads (float32, float16 or codes), K a multiple of the group."""
-    if not isinstance(w, Int4Weight) or w.packed is None or w.packed.device.type != "cpu":
+    if not isinstance(w, Int4Weight) or w.native_nibbles() is None:
+        return False
+    if w.native_nibbles()[0].device.type != "cpu":
         return False
     if w.in_features % w.group_size:
         return False
@@ -202,6 +205,8 @@ def run_decode_layers(
             raise ValueError(f"layer {i}: a slot lies outside the KV pool")
         if rc == 30:
             raise ValueError(f"layer {i}: a context length or page id lies outside the block table or pool")
+        if rc == 6:
+            raise FloatingPointError(f"layer {i}: NaN or inf in the activations of an INT4 projection")
         if rc:
             raise RuntimeError(f"native decode layer {i} failed (code {rc})")
     return x

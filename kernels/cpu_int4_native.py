@@ -107,16 +107,48 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+_UNSUPPORTED, _NON_FINITE = 5, 6  # pagoda_int4_vnni_gemm_f32's codes: no VNNI here; NaN or inf in x
+_vnni: bool | None = None
+
+
+def vnni_available() -> bool:
+    """Whether the VNNI INT4 kernel runs here (library built, the CPU has AVX-512 VNNI, and
+    ``PAGODA_NATIVE_VNNI`` is not ``0``); probed once with a one-row call."""
+    global _vnni
+    if _vnni is None:
+        lib = library()
+        if lib is None or os.environ.get("PAGODA_NATIVE_VNNI", "1") == "0":
+            _vnni = False
+        else:
+            x, y = torch.zeros(1, 32), torch.empty(1, 1)
+            packed16, params = torch.zeros(1, 4, 16, 4, dtype=torch.uint8), torch.zeros(1, 1)
+            rc = lib.pagoda_int4_vnni_gemm_f32(
+                x.data_ptr(), 1, 32, packed16.data_ptr(), params.data_ptr(), params.data_ptr(), 0, 1, 32,
+                y.data_ptr(), 1,
+            )  # fmt: skip
+            _vnni = rc == 0
+    return _vnni
+
+
 def native_int4_mm(
-    x: Tensor, packed: Tensor, scales: Tensor, offsets: Tensor, group: int, mode: int | None = None
+    x: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    offsets: Tensor,
+    group: int,
+    mode: int | None = None,
+    interleaved: bool = False,
 ) -> Tensor | None:
     """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable.
     ``scales`` and ``offsets`` are both float32 or both float16 (``mode`` 0 or 1, found from the
-    dtype when None), or codes uint8 [N, K/group, 3] and their float16 table (``mode=2``)."""
+    dtype when None), or codes uint8 [N, K/group, 3] and their float16 table (``mode=2``).
+    ``interleaved``: ``packed`` is the VNNI kernel's 16-row layout (``int4.interleave16``); N is
+    then the scales' rows. An x holding NaN or inf runs the float32 kernel on the canonical nibbles."""
     lib = library()
     if lib is None:
         return None
-    n, groups = packed.shape[0], x.shape[-1] // group if group > 0 else 0
+    n = scales.shape[0] if interleaved else packed.shape[0]
+    groups = x.shape[-1] // group if group > 0 else 0
     if mode == 2:
         if scales.dtype != torch.uint8 or scales.shape != (n, groups, 3):
             raise ValueError(
@@ -134,6 +166,21 @@ def native_int4_mm(
     scales, offsets, packed = scales.contiguous(), offsets.contiguous(), packed.contiguous()
     x = x.contiguous()
     m, k = x.shape
+    if interleaved:
+        if packed.dim() != 4 or packed.shape != (-(-n // 16), k // 8, 16, 4):
+            raise ValueError(f"16-row nibbles for N={n}, K={k} have the wrong shape {tuple(packed.shape)}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        rc = lib.pagoda_int4_vnni_gemm_f32(
+            x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), mode, n, group,
+            y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == 0:
+            return y
+        if rc != _NON_FINITE:
+            raise RuntimeError(f"native VNNI INT4 kernel failed (code {rc}) for K={k}, group={group}")
+        from .int4 import deinterleave16
+
+        packed = deinterleave16(packed, n)  # float semantics for NaN and inf: the float32 kernel
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.pagoda_int4_gemm_f32(
         x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), mode, n, group,

@@ -60,6 +60,24 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
 
 
+def interleave16(packed: Tensor) -> Tensor:
+    """Canonical nibbles uint8 [N, K//2] -> the VNNI kernel's layout [ceil(N/16), K//8, 16, 4]: N padded
+    with zero rows to a multiple of 16, and in each block of 16 rows the rows' 4-byte words of one
+    column (k = 8j..8j+7, bytes unchanged) side by side (kernels/cpu_int4_vnni.c)."""
+    n, half = packed.shape
+    if half % 4:
+        raise ValueError(f"the 16-row layout needs K a multiple of 8, got K={2 * half}")
+    n16 = -(-n // 16) * 16
+    padded = F.pad(packed, (0, 0, 0, n16 - n))
+    return padded.view(n16 // 16, 16, half // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def deinterleave16(packed16: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`interleave16`: the canonical [N, K//2] nibbles of the first ``n`` rows."""
+    blocks, cols, _, _ = packed16.shape
+    return packed16.permute(0, 2, 1, 3).reshape(blocks * 16, cols * 4)[:n].contiguous()
+
+
 @dataclass(eq=False)
 class Int4Weight:
     """A group-wise INT4 weight plus lazily built backend layouts.
@@ -84,6 +102,9 @@ class Int4Weight:
     # the float16 scales and offsets as codes into a table (compact_for_native); scales, mins and
     # offsets are then None until something needs them (_need_canonical expands the codes)
     codes: ParamCodes | None = field(default=None, repr=False)
+    # the nibbles in the VNNI kernel's 16-row layout (interleave16), held instead of ``packed`` by a
+    # float32-compute CPU weight when that kernel runs here; _need_canonical restores ``packed``
+    packed16: Tensor | None = field(default=None, repr=False)
 
     @property
     def num_groups(self) -> int:
@@ -96,6 +117,8 @@ class Int4Weight:
             total += self._offsets.nbytes
         if self.codes is not None:
             total += self.codes.nbytes
+        if self.packed16 is not None:
+            total += self.packed16.nbytes
         for packed, sz in self._cpu.values():
             total += packed.nbytes + sz.nbytes
         return total
@@ -118,6 +141,8 @@ class Int4Weight:
         return -self.zero_points * self.scales.float()
 
     def _need_canonical(self) -> None:
+        if self.packed is None and self.packed16 is not None:
+            self.packed, self.packed16 = deinterleave16(self.packed16, self.out_features), None
         if self.packed is None:
             self._restore_canonical()
         if self.scales is None and self.codes is not None:
@@ -149,6 +174,13 @@ class Int4Weight:
             assert sz.shape == (g, npad, 2)
             self._cpu[dtype] = (packed, sz)
         return self._cpu[dtype]
+
+    def native_nibbles(self) -> tuple[Tensor, bool] | None:
+        """(nibbles, interleaved) as the native kernels read them: the 16-row layout (VNNI kernel) or
+        the canonical one (float32 kernel); None when neither is held (a bf16 layout only)."""
+        if self.packed16 is not None:
+            return self.packed16, True
+        return None if self.packed is None else (self.packed, False)
 
     def native_params(self) -> tuple[Tensor, Tensor, int] | None:
         """(scales, offsets, mode) as ``kernels/cpu_int4.c`` reads them: float32 (mode 0), float16 (1),
@@ -184,13 +216,14 @@ class Int4Weight:
             npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
             return npad * k // 2 + g * npad * 2 * 2
         zeros = n * g if self.zeros is not None else 0
+        nibbles = (-(-n // 16) * 16 if _vnni_layout(k) else n) * k // 2
         if self.codes is not None:
-            return n * k // 2 + self.codes.nbytes + zeros
+            return nibbles + self.codes.nbytes + zeros
         if not self.params_fit_fp16():
-            return n * k // 2 + n * g * 2 * 4 + zeros
+            return nibbles + n * g * 2 * 4 + zeros
         values = distinct_values(self.scales.half(), self.offsets().half())
         params = codes_nbytes(n, g, values) if values <= MAX_CODE_VALUES else n * g * 2 * 2
-        return n * k // 2 + params + zeros
+        return nibbles + params + zeros
 
     def compact_for_native(self) -> None:
         """Hold scales (and mins or offsets) as codes into a float16 table where float16 is exact
@@ -218,6 +251,8 @@ class Int4Weight:
             self.compact_for_native()
             if self.codes is None:
                 self.native_offsets()
+            if self.packed is not None and self.group_size % 32 == 0 and _vnni_layout(self.in_features):
+                self.packed16, self.packed = interleave16(self.packed), None
             return
         self.cpu_layout(dtype)
         if not keep_canonical:
@@ -368,12 +403,21 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias, mins=qw.mins)
     elif be == "cpu":
         out = None
-        if qw.cpu_compute == "float32" and x2.dtype == torch.float32 and qw.packed is not None:
+        nibbles = qw.native_nibbles() if qw.cpu_compute == "float32" and x2.dtype == torch.float32 else None
+        if nibbles is not None:
             from .cpu_int4_native import native_int4_mm
 
             params = qw.native_params()
             if params is not None:
-                out = native_int4_mm(x2, qw.packed, params[0], params[1], qw.group_size, mode=params[2])
+                out = native_int4_mm(
+                    x2,
+                    nibbles[0],
+                    params[0],
+                    params[1],
+                    qw.group_size,
+                    mode=params[2],
+                    interleaved=nibbles[1],
+                )
         if out is None:  # bf16 compute asked for, or the native kernel is unavailable (logged once)
             out = cpu_int4_mm(x2, qw)
         out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)
@@ -387,6 +431,16 @@ def cpu_int4_mm(x: Tensor, qw: Int4Weight, dtype: torch.dtype = CPU_COMPUTE_DTYP
     packed, sz = qw._cpu.get(dtype) or qw.cpu_layout(dtype)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dtype).contiguous(), packed, qw.group_size, sz)
     return out if packed.shape[0] == qw.out_features else out[:, : qw.out_features]
+
+
+def _vnni_layout(k: int) -> bool:
+    """Whether float32-compute CPU weights of K inputs take the 16-row layout: the VNNI kernel runs
+    here (``PAGODA_NATIVE_VNNI=0`` turns it off) and K is whole 32-wide blocks."""
+    if k % 32:
+        return False
+    from .cpu_int4_native import vnni_available
+
+    return vnni_available()
 
 
 def _cpu_op_ok(x: Tensor, qw: Int4Weight) -> bool:

@@ -234,7 +234,10 @@ class LlamaForCausalLM:
         cos, sin = self.cos[b.positions], self.sin[b.positions]
         pages = self.native.serves(b, weights_phase or b.phase) if self.native is not None else None
         if pages is not None:
-            return self.native.run(x, cos, sin, b, pages)
+            try:
+                return self.native.run(x.clone(), cos, sin, b, pages)
+            except FloatingPointError as exc:  # NaN or inf on the way: the torch path gives float semantics
+                log.warning("native decode step fell back to the per-op path: %s", exc)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
         return x

@@ -220,8 +220,9 @@ def test_native_float32_kernel_matches_reference(m, g, sym):
 
 
 def test_int4_linear_compute_modes(monkeypatch, tmp_path):
-    """float32 compute runs the native kernel over the canonical tensors; bf16 (or no compiler) the
-    int4pack op over bf16 copies, so only the float32 path agrees with the reference to 1e-5."""
+    """float32 compute runs a native kernel over the weight's own nibbles (canonical, or 16-row
+    interleaved for the VNNI kernel); bf16 (or no compiler) the int4pack op over bf16 copies, so only
+    the float32 path agrees with the reference to 1e-5."""
     from pagoda.kernels import cpu_int4_native
     from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
 
@@ -230,7 +231,7 @@ def test_int4_linear_compute_modes(monkeypatch, tmp_path):
     with int4_cpu_compute("float32"):
         exact = make_linear_weight(w, "int4", torch.float32, group_size=32)
     if exact.weight.cpu_compute == "float32":
-        assert exact.weight.packed is not None and not exact.weight._cpu  # canonical tensors, no copy
+        assert exact.weight.native_nibbles() is not None and not exact.weight._cpu  # no bf16 copy
         torch.testing.assert_close(exact.apply(x), ref, rtol=1e-5, atol=1e-5)
     with int4_cpu_compute("bf16"):
         fast = make_linear_weight(w, "int4", torch.float32, group_size=32)
@@ -283,3 +284,33 @@ def test_float32_compute_keeps_exact_fp16_params_in_fp16():
     with int4_cpu_compute("float32"):
         kept = make_linear_weight(odd, "int4", torch.float32)
     assert kept.weight.scales.dtype == torch.float32
+
+
+def test_interleaved_nibbles_round_trip_and_serve_the_native_matmul():
+    """The VNNI kernel's 16-row layout (N padded to 16) holds the canonical nibbles exactly, and a
+    prepared float32-compute weight computes what the canonical layout does; NaN and inf in x give
+    the float32 kernel's answer (float semantics), not a fixed-point one."""
+    from pagoda.kernels.cpu_int4_native import native_int4_mm, vnni_available
+    from pagoda.kernels.int4 import deinterleave16, interleave16
+
+    qw, w = _float_zero_case(37, 256, 32, seed=5)
+    p16 = interleave16(qw.packed)
+    assert p16.shape == (3, 32, 16, 4) and torch.equal(deinterleave16(p16, 37), qw.packed)
+    assert not deinterleave16(p16, 48)[37:].any()  # zero padding rows
+    if not vnni_available():
+        pytest.skip("the VNNI INT4 kernel does not run here (no AVX-512 VNNI, or no compiler)")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    x[1, 7], x[3, 100] = float("inf"), float("nan")
+    s, o = qw.scales.half(), qw.mins.half()
+    canonical = native_int4_mm(x, qw.packed, s, o, 32)
+    via16 = native_int4_mm(x, p16, s, o, 32, interleaved=True)
+    torch.testing.assert_close(
+        via16, canonical, rtol=0, atol=0, equal_nan=True
+    )  # rows 1, 3: the float kernel
+    finite = [0, 2, 4]
+    torch.testing.assert_close(via16[finite], x[finite] @ w.t(), rtol=1e-5, atol=1e-5)
+    qw.cpu_compute = "float32"
+    qw.prepare("cpu")
+    assert qw.packed is None and qw.packed16 is not None and qw.codes is not None
+    torch.testing.assert_close(int4_linear(x[finite], qw), x[finite] @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(dequantize_int4(qw), w) and qw.packed16 is None  # back to the canonical layout

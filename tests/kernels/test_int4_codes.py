@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.int4 import Int4Weight, pack_nibbles
+from pagoda.kernels.int4 import Int4Weight, interleave16, pack_nibbles
 from pagoda.kernels.int4_codes import MAX_VALUES, encode_params
 
 
@@ -98,6 +98,12 @@ def test_native_kernel_reads_codes_as_it_reads_float16(native, m):
     via_half = native.native_int4_mm(x, w.packed, s16, o16, 32)
     via_codes = native.native_int4_mm(x, w.packed, w.codes.codes, w.codes.table, 32, mode=2)
     assert torch.equal(via_half, via_codes)
+    if native.vnni_available():  # the VNNI kernel decodes the same codes
+        p16 = interleave16(w.packed)
+        vnni_half = native.native_int4_mm(x, p16, s16, o16, 32, interleaved=True)
+        vnni_codes = native.native_int4_mm(x, p16, w.codes.codes, w.codes.table, 32, mode=2, interleaved=True)
+        assert torch.equal(vnni_half, vnni_codes)
+        torch.testing.assert_close(vnni_codes, via_half, rtol=0, atol=2e-6 * float(via_half.abs().max()))
 
 
 def test_native_kernel_refuses_malformed_codes(native):
