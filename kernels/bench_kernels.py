@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from .cpu_int4_native import vnni_available
 from .dispatch import select_backend
 from .fp8 import Fp8Weight
 from .fp8_format import FP8_DTYPE, FP8_MAX, amax_scale, quantize_fp8
@@ -80,6 +81,11 @@ def bench_gemms(
                 exact = Int4Weight.from_state(q4.state(), q4.meta())
                 exact.cpu_compute = "float32"  # the exact float32 kernel (cpu_int4.c); int4_us is bf16
                 row["int4_f32_us"] = _time(partial(exact.apply, x), device, repeat)
+                if vnni_available():  # the same weight in the VNNI kernel's 16-row layout (cpu_int4_vnni.c)
+                    vnni = Int4Weight.from_state(q4.state(), q4.meta())
+                    vnni.cpu_compute = "float32"
+                    vnni.prepare("cpu")
+                    row["int4_vnni_us"] = _time(partial(vnni.apply, x), device, repeat)
             if dtype != torch.bfloat16:  # CPUs: also show bf16 dense, the format INT4 replaces on GPUs
                 xb, wb = x.bfloat16(), dense.bfloat16()
                 row["dense_bf16_us"] = _time(partial(torch.matmul, xb, wb.T), device, repeat)

@@ -126,7 +126,7 @@ class Int4Weight:
     @property
     def zero_points(self) -> Tensor:
         """Integer zero points as float32 [N, K//group] (8 for symmetric weights)."""
-        self._need_canonical()
+        self._need_params()
         if self.mins is not None:
             raise ValueError("this INT4 weight has float offsets (mins), not integer zero points")
         if self.zeros is None:
@@ -135,7 +135,7 @@ class Int4Weight:
 
     def offsets(self) -> Tensor:
         """float32 [N, K//group] with ``w = q * scale + offset`` for every form of zero."""
-        self._need_canonical()
+        self._need_params()
         if self.mins is not None:
             return self.mins.float()
         return -self.zero_points * self.scales.float()
@@ -147,6 +147,15 @@ class Int4Weight:
             self._restore_canonical()
         if self.scales is None and self.codes is not None:
             self._expand_codes()
+
+    def _need_params(self) -> None:
+        """Scales (and mins) as tensors, leaving the nibbles in whatever layout they are held."""
+        if self.scales is not None:
+            return
+        if self.codes is not None:
+            self._expand_codes()
+        else:
+            self._need_canonical()
 
     def _expand_codes(self) -> None:
         """Back from codes to float16 scales and offsets (the same values)."""
@@ -187,7 +196,7 @@ class Int4Weight:
         or codes and their table (2); None when scales and offsets differ in dtype."""
         if self.codes is not None:
             return self.codes.codes, self.codes.table, 2
-        self._need_canonical()
+        self._need_params()
         scales, offsets = self.scales, self.native_offsets()
         if scales.dtype != offsets.dtype or scales.dtype not in (torch.float32, torch.float16):
             return None

@@ -314,3 +314,10 @@ def test_interleaved_nibbles_round_trip_and_serve_the_native_matmul():
     assert qw.packed is None and qw.packed16 is not None and qw.codes is not None
     torch.testing.assert_close(int4_linear(x[finite], qw), x[finite] @ w.t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(dequantize_int4(qw), w) and qw.packed16 is None  # back to the canonical layout
+    plain = quantize_int4(torch.randn(40, 256, generator=torch.Generator().manual_seed(3)), 64)
+    want = x[finite] @ dequantize_int4(plain).t()
+    plain.cpu_compute = "float32"  # float32 scales and integer zeros: no codes, offsets derived
+    plain.prepare("cpu")
+    for _ in range(2):  # reading the parameters leaves the nibbles where they are
+        torch.testing.assert_close(int4_linear(x[finite], plain), want, rtol=1e-5, atol=1e-5)
+        assert plain.packed16 is not None and plain.packed is None
