@@ -29,7 +29,7 @@ log = logging.getLogger("pagoda.kernels")
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_math.h",))  # hashed, not compiled
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
+    for name in ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
 )
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 _lock = threading.Lock()
@@ -68,9 +68,9 @@ def _build() -> ctypes.CDLL:
     for fn in (lib.pagoda_int4_gemm_f32, lib.pagoda_int4_vnni_gemm_f32):
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int]
-    fn8 = lib.pagoda_int8_gemm_f32
-    fn8.restype = ctypes.c_int
-    fn8.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    for fn8 in (lib.pagoda_int8_gemm_f32, lib.pagoda_int8_vnni_gemm_f32):
+        fn8.restype = ctypes.c_int
+        fn8.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ctypes.c_int]
     return lib
 
 
