@@ -130,6 +130,29 @@ def vnni_available() -> bool:
     return _vnni
 
 
+_vnni8: bool | None = None
+
+
+def vnni8_available() -> bool:
+    """Whether the VNNI INT8 kernel runs here (as :func:`vnni_available`, the same switch)."""
+    global _vnni8
+    if _vnni8 is None:
+        lib = library()
+        if lib is None or os.environ.get("PAGODA_NATIVE_VNNI", "1") == "0":
+            _vnni8 = False
+        else:
+            x, y = torch.zeros(1, 32), torch.empty(1, 1)
+            q16, scales = (
+                torch.full((1, 8, 16, 4), 128, dtype=torch.uint8),
+                torch.zeros(1, 1, dtype=torch.float16),
+            )
+            rc = lib.pagoda_int8_vnni_gemm_f32(
+                x.data_ptr(), 1, 32, q16.data_ptr(), scales.data_ptr(), 1, 32, y.data_ptr(), 1
+            )
+            _vnni8 = rc == 0
+    return _vnni8
+
+
 def native_int4_mm(
     x: Tensor,
     packed: Tensor,
@@ -191,29 +214,42 @@ def native_int4_mm(
     return y
 
 
-def native_int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, group: int) -> Tensor | None:
+def native_int8_mm(
+    x: Tensor, qweight: Tensor, scales: Tensor, group: int, interleaved: bool = False
+) -> Tensor | None:
     """``x [M, K] float32 @ (q * block scale).T -> [M, N] float32`` (float16 block scales), or None
-    when the library is unavailable."""
+    when the library is unavailable. ``interleaved``: ``qweight`` is the VNNI kernel's biased 16-row
+    layout (``int8.interleave16_i8``); an x holding NaN or inf then runs the float32 kernel."""
     lib = library()
     if lib is None:
         return None
-    if qweight.dtype != torch.int8 or scales.dtype != torch.float16:
-        raise ValueError(f"expected int8 weights and float16 scales, got {qweight.dtype}, {scales.dtype}")
+    want = torch.uint8 if interleaved else torch.int8
+    if qweight.dtype != want or scales.dtype != torch.float16:
+        raise ValueError(f"expected {want} weights and float16 scales, got {qweight.dtype}, {scales.dtype}")
     x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
     m, k = x.shape
-    n = qweight.shape[0]
+    n = scales.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
+    if interleaved:
+        if qweight.dim() != 4 or qweight.shape != (-(-n // 16), k // 4, 16, 4):
+            raise ValueError(
+                f"16-row int8 weights for N={n}, K={k} have the wrong shape {tuple(qweight.shape)}"
+            )
+        rc = lib.pagoda_int8_vnni_gemm_f32(
+            x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == 0:
+            return y
+        if rc != _NON_FINITE:
+            raise RuntimeError(f"native VNNI INT8 kernel failed (code {rc}) for K={k}, group={group}")
+        from .int8 import deinterleave16_i8
+
+        qweight = deinterleave16_i8(qweight, n)  # float semantics for NaN and inf: the float32 kernel
     rc = lib.pagoda_int8_gemm_f32(
-        x.data_ptr(),
-        m,
-        k,
-        qweight.data_ptr(),
-        scales.data_ptr(),
-        n,
-        group,
-        y.data_ptr(),
+        x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr(),
         torch.get_num_threads(),
-    )
+    )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"native INT8 kernel failed (code {rc}) for K={k}, group={group}")
     return y

@@ -6,15 +6,17 @@ Two layouts, both ``qweight`` int8 [N, K] with dequantized weight ``q * scale``:
   float32 activations run ~10x slower there);
 - blocks of ``group_size`` (32) along K: ``scales`` [N, K/32], float16 (GGUF Q8_0's own precision).
   ``exact_blocks`` recovers them from a float weight that holds such blocks exactly (the built-in
-  model's tied embedding is Q8_0), so the head loses nothing. Float32 activations on the CPU run the
-  native kernel (cpu_int4.c), float32 arithmetic on the exact weights.
+  model's tied embedding is Q8_0), so the head loses nothing. Float32 activations on the CPU run a
+  native kernel at float32 accuracy on the exact weights: with AVX-512 VNNI ``cpu_int8_vnni.c``
+  over the weights biased by 128 and interleaved 16 rows at a time (``interleave16_i8``, held
+  instead of ``qweight``), else the float32 one of ``cpu_int4.c``.
 The reference dequantizes and multiplies in float32. On CUDA the reference serves (no Triton kernel
 yet).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +30,30 @@ CPU_COMPUTE_DTYPE = torch.bfloat16
 Q8_BLOCK = 32  # GGUF Q8_0's block
 
 
+def interleave16_i8(q: Tensor) -> Tensor:
+    """int8 [N, K] -> the VNNI kernel's layout: uint8 ``q + 128``, N padded with zero weights to a
+    multiple of 16, [ceil(N/16), K//4, 16, 4] (16 rows' 4 consecutive k side by side)."""
+    n, k = q.shape
+    if k % 4:
+        raise ValueError(f"the 16-row layout needs K a multiple of 4, got K={k}")
+    n16 = -(-n // 16) * 16
+    biased = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, n16 - n), value=128)
+    return biased.view(n16 // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def deinterleave16_i8(q16: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`interleave16_i8`: int8 [n, K]."""
+    blocks, cols, _, _ = q16.shape
+    biased = q16.permute(0, 2, 1, 3).reshape(blocks * 16, cols * 4)[:n]
+    return (biased.to(torch.int16) - 128).to(torch.int8).contiguous()
+
+
 @dataclass(eq=False)
 class Int8Weight:
-    qweight: Tensor  # int8 [N, K]
+    qweight: Tensor | None  # int8 [N, K]; None while q16 holds the weights
     scales: Tensor  # float32 [N], or [N, K / group_size] (float16 when exact) for block scales
     group_size: int | None = None
+    q16: Tensor | None = field(default=None, repr=False)  # interleave16_i8 layout (prepare_native)
 
     @classmethod
     def exact_blocks(cls, w: Tensor, group: int = Q8_BLOCK) -> Int8Weight | None:
@@ -63,17 +84,37 @@ class Int8Weight:
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.scales.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.qweight.shape[1] if self.qweight is not None else self.q16.shape[1] * 4
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes + getattr(self, "_cpu_scales_nbytes", 0)
+        held = sum(t.nbytes for t in (self.qweight, self.q16, self.scales) if t is not None)
+        return held + getattr(self, "_cpu_scales_nbytes", 0)
+
+    def prepare_native(self) -> None:
+        """Hold block weights in the VNNI kernel's layout when that kernel runs here (CPU tensors,
+        K and the blocks multiples of 32); otherwise leave them as they are."""
+        if self.q16 is not None or self.group_size is None or self.group_size % 32:
+            return
+        if self.qweight.device.type != "cpu" or self.in_features % 32:
+            return
+        from .cpu_int4_native import vnni8_available
+
+        if vnni8_available():
+            self.q16, self.qweight = interleave16_i8(self.qweight), None
+
+    def _need_q(self) -> Tensor:
+        """``qweight``, restored from the VNNI layout when that is what is held."""
+        if self.qweight is None:
+            self.qweight, self.q16 = deinterleave16_i8(self.q16, self.out_features), None
+        return self.qweight
 
     def dequantize(self) -> Tensor:
+        self._need_q()
         if self.group_size is None:
             return self.qweight.float() * self.scales[:, None]
         n, k = self.qweight.shape
@@ -113,7 +154,9 @@ def _blocks_linear(x2: Tensor, qw: Int8Weight, be: str) -> Tensor:
     if be == "cpu" and x2.device.type == "cpu" and x2.dtype == torch.float32:
         from .cpu_int4_native import native_int8_mm
 
-        out = native_int8_mm(x2, qw.qweight, qw.scales, qw.group_size)
+        interleaved = qw.q16 is not None
+        q = qw.q16 if interleaved else qw.qweight
+        out = native_int8_mm(x2, q, qw.scales, qw.group_size, interleaved=interleaved)
         if out is not None:
             record("int8_linear", "cpu")
             return out

@@ -105,3 +105,32 @@ def test_the_auto_head_is_int8_only_where_that_loses_nothing(make_engine):
     assert auto.config.decode_lm_head == "auto"
     assert isinstance(auto.model.lm_head.by_phase["decode"].weight, Int8Weight)
     assert not isinstance(auto.model.lm_head.by_phase["prefill"].weight, Int8Weight)  # prefill stays dense
+
+
+def test_vnni_layout_round_trips_and_serves_the_head():
+    """The VNNI kernel's biased 16-row layout holds the int8 weights exactly (-128 and 127 included,
+    N padded); a prepared block weight computes what the float32 kernel does, and NaN or inf in x
+    gets the float32 kernel's answer."""
+    from pagoda.kernels.cpu_int4_native import native_int8_mm, vnni8_available
+    from pagoda.kernels.int8 import deinterleave16_i8, interleave16_i8
+
+    q = torch.randint(-128, 128, (37, 96), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    q[0, 0], q[1, 1] = -128, 127
+    q16 = interleave16_i8(q)
+    assert q16.shape == (3, 24, 16, 4) and q16.dtype == torch.uint8
+    assert torch.equal(deinterleave16_i8(q16, 37), q) and not deinterleave16_i8(q16, 48)[37:].any()
+    if not vnni8_available():
+        pytest.skip("the VNNI INT8 kernel does not run here (no AVX-512 VNNI, or no compiler)")
+    w = q8_blocks(37, 576, seed=3)
+    qw = Int8Weight.exact_blocks(w)
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(4))
+    x[2, 5], x[6, 300] = float("-inf"), float("nan")
+    plain = native_int8_mm(x, qw.qweight, qw.scales, 32)
+    lin = make_linear_weight(w, "int8", torch.float32)
+    assert lin.weight.qweight is None and lin.weight.q16 is not None and lin.nbytes == 48 * 576 + 37 * 18 * 2
+    torch.testing.assert_close(
+        lin.apply(x), plain, rtol=0, atol=2e-6 * float(plain[[0, 1, 3]].abs().max()), equal_nan=True
+    )
+    finite = [0, 1, 3, 4, 5, 7, 8]
+    torch.testing.assert_close(lin.apply(x[finite]), x[finite] @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin.weight.dequantize(), w) and lin.weight.q16 is None  # back to int8 [N, K]
