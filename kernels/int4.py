@@ -225,7 +225,7 @@ class Int4Weight:
             npad = -(-n // _CPU_N_ALIGN) * _CPU_N_ALIGN
             return npad * k // 2 + g * npad * 2 * 2
         zeros = n * g if self.zeros is not None else 0
-        nibbles = (-(-n // 16) * 16 if _vnni_layout(k) else n) * k // 2
+        nibbles = (-(-n // 16) * 16 if self.group_size % 32 == 0 and _vnni_layout(k) else n) * k // 2
         if self.codes is not None:
             return nibbles + self.codes.nbytes + zeros
         if not self.params_fit_fp16():
