@@ -26,7 +26,7 @@ from torch import Tensor
 
 log = logging.getLogger("pagoda.kernels")
 
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_math.h",))  # hashed, not compiled
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_math.h", "cpu_vnni.h"))  # hashed, not compiled
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
