@@ -146,6 +146,7 @@ def test_int8_vnni_error_codes():
     assert _gemm(fn, x, q16, scales, 20, 48)[0] == 1  # group % 32 != 0
     assert _gemm(fn, x[:, :32].contiguous(), q16, scales, 20, 64)[0] == 1  # k % group != 0
     assert _gemm(fn, x, q16, scales, 0, 32)[0] == 1  # n < 1
+    assert _gemm(fn, x[:0], q16, scales, 20, 32)[0] == 1  # m < 1
     for bad in (float("inf"), float("-inf"), float("nan")):
         xb = x.clone()
         xb[2, 37] = bad
