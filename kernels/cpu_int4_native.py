@@ -107,50 +107,42 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-_UNSUPPORTED, _NON_FINITE = 5, 6  # pagoda_int4_vnni_gemm_f32's codes: no VNNI here; NaN or inf in x
-_vnni: bool | None = None
+_NON_FINITE = 6  # the VNNI kernels' code for NaN or inf in x (5: built without VNNI)
+_vnni_runs: dict[str, bool] = {}
+
+
+def _vnni_probe(kind: str) -> bool:
+    """One call of the ``kind`` ("int4" or "int8") VNNI kernel on a one-row problem: 0 means it runs
+    here (library built, AVX-512 VNNI); 5, built without it. ``PAGODA_NATIVE_VNNI=0`` says no."""
+    if kind not in _vnni_runs:
+        lib = library()
+        runs = False
+        if lib is not None and os.environ.get("PAGODA_NATIVE_VNNI", "1") != "0":
+            x, y = torch.zeros(1, 32), torch.empty(1, 1)
+            w = torch.full((1, 32 // (8 if kind == "int4" else 4), 16, 4), 0 if kind == "int4" else 128)
+            w, params = w.to(torch.uint8), torch.zeros(1, 1, dtype=torch.float16)
+            if kind == "int4":
+                rc = lib.pagoda_int4_vnni_gemm_f32(
+                    x.data_ptr(), 1, 32, w.data_ptr(), params.data_ptr(), params.data_ptr(), 1, 1, 32,
+                    y.data_ptr(), 1,
+                )  # fmt: skip
+            else:
+                rc = lib.pagoda_int8_vnni_gemm_f32(
+                    x.data_ptr(), 1, 32, w.data_ptr(), params.data_ptr(), 1, 32, y.data_ptr(), 1
+                )
+            runs = rc == 0
+        _vnni_runs[kind] = runs
+    return _vnni_runs[kind]
 
 
 def vnni_available() -> bool:
-    """Whether the VNNI INT4 kernel runs here (library built, the CPU has AVX-512 VNNI, and
-    ``PAGODA_NATIVE_VNNI`` is not ``0``); probed once with a one-row call."""
-    global _vnni
-    if _vnni is None:
-        lib = library()
-        if lib is None or os.environ.get("PAGODA_NATIVE_VNNI", "1") == "0":
-            _vnni = False
-        else:
-            x, y = torch.zeros(1, 32), torch.empty(1, 1)
-            packed16, params = torch.zeros(1, 4, 16, 4, dtype=torch.uint8), torch.zeros(1, 1)
-            rc = lib.pagoda_int4_vnni_gemm_f32(
-                x.data_ptr(), 1, 32, packed16.data_ptr(), params.data_ptr(), params.data_ptr(), 0, 1, 32,
-                y.data_ptr(), 1,
-            )  # fmt: skip
-            _vnni = rc == 0
-    return _vnni
-
-
-_vnni8: bool | None = None
+    """Whether the VNNI INT4 kernel runs here (probed once; ``PAGODA_NATIVE_VNNI=0`` turns it off)."""
+    return _vnni_probe("int4")
 
 
 def vnni8_available() -> bool:
-    """Whether the VNNI INT8 kernel runs here (as :func:`vnni_available`, the same switch)."""
-    global _vnni8
-    if _vnni8 is None:
-        lib = library()
-        if lib is None or os.environ.get("PAGODA_NATIVE_VNNI", "1") == "0":
-            _vnni8 = False
-        else:
-            x, y = torch.zeros(1, 32), torch.empty(1, 1)
-            q16, scales = (
-                torch.full((1, 8, 16, 4), 128, dtype=torch.uint8),
-                torch.zeros(1, 1, dtype=torch.float16),
-            )
-            rc = lib.pagoda_int8_vnni_gemm_f32(
-                x.data_ptr(), 1, 32, q16.data_ptr(), scales.data_ptr(), 1, 32, y.data_ptr(), 1
-            )
-            _vnni8 = rc == 0
-    return _vnni8
+    """Whether the VNNI INT8 kernel runs here (the same switch)."""
+    return _vnni_probe("int8")
 
 
 def native_int4_mm(

@@ -143,12 +143,9 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
     const int64_t blocks = k / 32, groups = k / group, per = group / 32, nblocks = (n + 15) / 16;
     xblock *xq = (xblock *)aligned_alloc(64, sizeof(xblock) * (size_t)(m * blocks));
     if (!xq) return 2;
-    int failed = 0, bad = 0;
-    /* few blocks (decode): prepared by this thread, which spares the team a barrier (one that costs a
-     * scheduler slice when another process holds a core) */
+    int failed = 0;
     const int serial = m * blocks <= PREP_SERIAL_BLOCKS;
-    for (int64_t t = 0; serial && t < m * blocks; t++)
-        bad |= prepare_block(x + (t / blocks) * k + (t % blocks) * 32, xq + t, 1);
+    int bad = prepare_x_serial(x, m, k, xq, 1, serial);
     if (bad) {
         free(xq);
         return 6;
@@ -161,16 +158,7 @@ int pagoda_int4_vnni_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_
 #pragma omp atomic write
             failed = 2;
         }
-        if (!serial) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < m * blocks; t++) {
-                const int64_t i = t / blocks, b = t % blocks;
-                if (prepare_block(x + i * k + b * 32, xq + t, 1)) {
-#pragma omp atomic write
-                    bad = 1;
-                }
-            } /* the barrier: every block is ready, `bad` final */
-        }
+        if (!serial) prepare_x_team(x, m, k, xq, 1, &bad);
         int skip;
 #pragma omp atomic read
         skip = bad;

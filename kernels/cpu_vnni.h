@@ -79,5 +79,30 @@ static inline int prepare_block(const float *v, xblock *out, const int nibbles) 
     out->clo = -128 * (sum & 511);
     return 0;
 }
+
+/* x [m, k] -> xq [m * k / 32] blocks. `serial` (few blocks, a decode step): this thread prepares them
+ * before the parallel region, sparing the team a barrier (one that costs a scheduler slice when
+ * another process holds a core); returns 1 when x is not finite. Otherwise returns 0 and the team
+ * prepares them in prepare_x_team. */
+static inline int prepare_x_serial(const float *x, int64_t m, int64_t k, xblock *xq, int nibbles, int serial) {
+    const int64_t blocks = k / 32;
+    int bad = 0;
+    for (int64_t t = 0; serial && t < m * blocks; t++)
+        bad |= prepare_block(x + (t / blocks) * k + (t % blocks) * 32, xq + t, nibbles);
+    return bad;
+}
+
+/* Called by every thread of a team when not serial: a worksharing loop over the blocks, ending in
+ * its barrier (every block ready); *bad set when x is not finite. */
+static inline void prepare_x_team(const float *x, int64_t m, int64_t k, xblock *xq, int nibbles, int *bad) {
+    const int64_t blocks = k / 32;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < m * blocks; t++) {
+        if (prepare_block(x + (t / blocks) * k + (t % blocks) * 32, xq + t, nibbles)) {
+#pragma omp atomic write
+            *bad = 1;
+        }
+    }
+}
 #endif
 #endif

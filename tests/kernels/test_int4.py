@@ -321,3 +321,23 @@ def test_interleaved_nibbles_round_trip_and_serve_the_native_matmul():
     for _ in range(2):  # reading the parameters leaves the nibbles where they are
         torch.testing.assert_close(int4_linear(x[finite], plain), want, rtol=1e-5, atol=1e-5)
         assert plain.packed16 is not None and plain.packed is None
+
+
+def test_the_vnni_switch_keeps_the_float32_kernels(monkeypatch):
+    """PAGODA_NATIVE_VNNI=0: float32-compute weights keep their canonical layouts (the float32 kernels)."""
+    from pagoda.kernels import cpu_int4_native
+    from pagoda.kernels.int8 import Int8Weight
+
+    monkeypatch.setattr(cpu_int4_native, "_vnni_runs", {})
+    monkeypatch.setenv("PAGODA_NATIVE_VNNI", "0")
+    assert not cpu_int4_native.vnni_available() and not cpu_int4_native.vnni8_available()
+    qw, w = _float_zero_case(32, 128, 32, seed=6)
+    qw.cpu_compute = "float32"
+    qw.prepare("cpu")
+    assert qw.packed16 is None and qw.native_nibbles()[1] is False
+    q8 = Int8Weight(torch.randint(-127, 128, (16, 64), dtype=torch.int8), torch.ones(16, 2).half(), 32)
+    q8.prepare_native()
+    assert q8.q16 is None and q8.qweight is not None
+    x = torch.randn(3, 128)
+    if cpu_int4_native.library() is not None:
+        torch.testing.assert_close(int4_linear(x, qw), x @ w.t(), rtol=1e-5, atol=1e-5)
