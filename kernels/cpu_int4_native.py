@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .vnni_layout import deinterleave16, deinterleave16_i8
+
 log = logging.getLogger("pagoda.kernels")
 
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_math.h", "cpu_vnni.h"))  # hashed, not compiled
@@ -193,8 +195,6 @@ def native_int4_mm(
             return y
         if rc != _NON_FINITE:
             raise RuntimeError(f"native VNNI INT4 kernel failed (code {rc}) for K={k}, group={group}")
-        from .int4 import deinterleave16
-
         packed = deinterleave16(packed, n)  # float semantics for NaN and inf: the float32 kernel
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.pagoda_int4_gemm_f32(
@@ -235,8 +235,6 @@ def native_int8_mm(
             return y
         if rc != _NON_FINITE:
             raise RuntimeError(f"native VNNI INT8 kernel failed (code {rc}) for K={k}, group={group}")
-        from .int8 import deinterleave16_i8
-
         qweight = deinterleave16_i8(qweight, n)  # float semantics for NaN and inf: the float32 kernel
     rc = lib.pagoda_int8_gemm_f32(
         x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr(),

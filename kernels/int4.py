@@ -28,6 +28,7 @@ from torch import Tensor
 from .dispatch import record, select_backend
 from .int4_codes import MAX_VALUES as MAX_CODE_VALUES
 from .int4_codes import ParamCodes, codes_nbytes, distinct_values, encode_params
+from .vnni_layout import deinterleave16, interleave16
 
 SUPPORTED_GROUPS = (32, 64, 128, 256)
 # torch's CPU int4 matmul is ~10x faster with bf16 activations than with float32 ones (measured on
@@ -58,24 +59,6 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
-
-
-def interleave16(packed: Tensor) -> Tensor:
-    """Canonical nibbles uint8 [N, K//2] -> the VNNI kernel's layout [ceil(N/16), K//8, 16, 4]: N padded
-    with zero rows to a multiple of 16, and in each block of 16 rows the rows' 4-byte words of one
-    column (k = 8j..8j+7, bytes unchanged) side by side (kernels/cpu_int4_vnni.c)."""
-    n, half = packed.shape
-    if half % 4:
-        raise ValueError(f"the 16-row layout needs K a multiple of 8, got K={2 * half}")
-    n16 = -(-n // 16) * 16
-    padded = F.pad(packed, (0, 0, 0, n16 - n))
-    return padded.view(n16 // 16, 16, half // 4, 4).permute(0, 2, 1, 3).contiguous()
-
-
-def deinterleave16(packed16: Tensor, n: int) -> Tensor:
-    """Inverse of :func:`interleave16`: the canonical [N, K//2] nibbles of the first ``n`` rows."""
-    blocks, cols, _, _ = packed16.shape
-    return packed16.permute(0, 2, 1, 3).reshape(blocks * 16, cols * 4)[:n].contiguous()
 
 
 @dataclass(eq=False)

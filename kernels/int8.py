@@ -23,29 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dispatch import record, select_backend
+from .vnni_layout import deinterleave16_i8, interleave16_i8
 
 CPU_COMPUTE_DTYPE = torch.bfloat16
 
 
 Q8_BLOCK = 32  # GGUF Q8_0's block
-
-
-def interleave16_i8(q: Tensor) -> Tensor:
-    """int8 [N, K] -> the VNNI kernel's layout: uint8 ``q + 128``, N padded with zero weights to a
-    multiple of 16, [ceil(N/16), K//4, 16, 4] (16 rows' 4 consecutive k side by side)."""
-    n, k = q.shape
-    if k % 4:
-        raise ValueError(f"the 16-row layout needs K a multiple of 4, got K={k}")
-    n16 = -(-n // 16) * 16
-    biased = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, 0, 0, n16 - n), value=128)
-    return biased.view(n16 // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-
-
-def deinterleave16_i8(q16: Tensor, n: int) -> Tensor:
-    """Inverse of :func:`interleave16_i8`: int8 [n, K]."""
-    blocks, cols, _, _ = q16.shape
-    biased = q16.permute(0, 2, 1, 3).reshape(blocks * 16, cols * 4)[:n]
-    return (biased.to(torch.int16) - 128).to(torch.int8).contiguous()
 
 
 @dataclass(eq=False)
