@@ -159,7 +159,7 @@ def native_int4_mm(
     """``x [M, K] float32 @ dequant.T -> [M, N] float32``, or None when the library is unavailable.
     ``scales`` and ``offsets`` are both float32 or both float16 (``mode`` 0 or 1, found from the
     dtype when None), or codes uint8 [N, K/group, 3] and their float16 table (``mode=2``).
-    ``interleaved``: ``packed`` is the VNNI kernel's 16-row layout (``int4.interleave16``); N is
+    ``interleaved``: ``packed`` is the VNNI kernel's 16-row layout (``vnni_layout.interleave16``); N is
     then the scales' rows. An x holding NaN or inf runs the float32 kernel on the canonical nibbles."""
     lib = library()
     if lib is None:
@@ -211,7 +211,7 @@ def native_int8_mm(
 ) -> Tensor | None:
     """``x [M, K] float32 @ (q * block scale).T -> [M, N] float32`` (float16 block scales), or None
     when the library is unavailable. ``interleaved``: ``qweight`` is the VNNI kernel's biased 16-row
-    layout (``int8.interleave16_i8``); an x holding NaN or inf then runs the float32 kernel."""
+    layout (``vnni_layout.interleave16_i8``); an x holding NaN or inf then runs the float32 kernel."""
     lib = library()
     if lib is None:
         return None
