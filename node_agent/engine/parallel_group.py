@@ -209,11 +209,16 @@ class ParallelGroup:
     # ------------------------------------------------------------------ shutdown
 
     def terminate_children(self, grace_s: float = 5.0) -> None:
+        """Give every rank this process started ``grace_s`` to exit, then SIGTERM, then SIGKILL (a
+        stopped or hung rank does not act on SIGTERM); each child is reaped."""
         for p in self.children.values():
             p.join(timeout=grace_s)
         for p in self.children.values():
             if p.exitcode is None:
                 p.terminate()
+                p.join(timeout=grace_s)
+            if p.exitcode is None:
+                p.kill()
                 p.join(timeout=grace_s)
 
     def close(self) -> None:
