@@ -1,13 +1,17 @@
-"""Shared helpers for the kernel tests (backend lists, a paged KV pool builder)."""
+"""Shared helpers for the kernel tests (backend lists, a paged KV pool builder, the native library
+for the VNNI kernels' tests)."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from pagoda.kernels.cpu_int4_native import library, status
 from pagoda.kernels.dispatch import triton_available
 from pagoda.kernels.fp8_format import FP8_DTYPE
 from pagoda.kernels.paged_attention import calibrate_kv_scales, write_kv
@@ -80,3 +84,20 @@ def make_paged_kv(
         keys,
         values,
     )
+
+
+def native_library() -> ctypes.CDLL:
+    """The native kernels' library, or a skip saying why it is unavailable."""
+    lib = library()
+    if lib is None:
+        pytest.skip(f"native kernels unavailable here: {status['reason']}")
+    return lib
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Small float64 references: one torch thread, so a busy core cannot stall them at a barrier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

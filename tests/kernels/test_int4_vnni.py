@@ -7,37 +7,16 @@ import ctypes
 
 import pytest
 import torch
-import torch.nn.functional as F
+from kernel_testing import native_library, one_torch_thread  # noqa: F401 (a fixture)
 
-from pagoda.kernels.cpu_int4_native import library, status
 from pagoda.kernels.int4_codes import encode_params
+from pagoda.kernels.vnni_layout import interleave16
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MS = (1, 2, 7, 8, 9, 16, 17, 64)
 NS = (37, 1, 16, 50)
 KG = ((32, 32), (96, 32), (576, 32), (576, 64), (128, 64))
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The float64 references are small: one torch thread, so a busy core cannot stall them at a barrier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _lib() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        pytest.skip(f"native kernels unavailable here: {status['reason']}")
-    return lib
-
-
-def _interleave(packed: torch.Tensor) -> torch.Tensor:
-    """Canonical packed uint8 [N, K/2] -> [N16/16, K/8, 16, 4] (16 rows of a dword column contiguous)."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    n16 = -(-n // 16) * 16
-    return F.pad(packed, (0, 0, 0, n16 - n)).view(n16 // 16, 16, k // 8, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def _weights(n: int, k: int, group: int, mode: int, seed: int):
@@ -103,12 +82,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_vnni_matches_float64_reference_and_float32_kernel(mode):
-    lib = _lib()
+    lib = native_library()
     worst = 0.0
     for n in NS:
         for k, group in KG:
             packed, scales, offsets, w = _weights(n, k, group, mode, seed=n * 1000 + k + group)
-            packed16 = _interleave(packed)
+            packed16 = interleave16(packed)
             for m in MS:
                 x = _x(m, k, seed=m + k)
                 ref = x.double() @ w.t()
@@ -129,9 +108,9 @@ def test_vnni_matches_float64_reference_and_float32_kernel(mode):
 
 
 def test_vnni_error_codes():
-    lib = _lib()
+    lib = native_library()
     packed, scales, offsets, _ = _weights(20, 64, 32, 0, seed=1)
-    packed16 = _interleave(packed)
+    packed16 = interleave16(packed)
     x = _x(3, 64, seed=2)
     rc, y = _vnni(lib, x, packed16, scales, offsets, 0, 20, 32)
     assert rc == 0 and torch.isfinite(y).all()
@@ -150,6 +129,6 @@ def test_vnni_error_codes():
     x = _x(64, 576, seed=4)  # enough 32-blocks (1152) for the threads to prepare x together
     x[50, 300] = float("nan")
     rc, _ = _gemm(
-        lib.pagoda_int4_vnni_gemm_f32, x, _interleave(packed), scales, offsets, 0, 20, 32, threads=2
+        lib.pagoda_int4_vnni_gemm_f32, x, interleave16(packed), scales, offsets, 0, 20, 32, threads=2
     )
     assert rc == 6

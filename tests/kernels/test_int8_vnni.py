@@ -7,39 +7,16 @@ import ctypes
 
 import pytest
 import torch
-import torch.nn.functional as F
+from kernel_testing import native_library, one_torch_thread  # noqa: F401 (a fixture)
 
-from pagoda.kernels.cpu_int4_native import library, status
+from pagoda.kernels.vnni_layout import interleave16_i8
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MS = (1, 2, 8, 9, 16, 17, 64)
 NS = (1, 37, 50, 16)
 KG = ((32, 32), (96, 32), (576, 32), (576, 64), (128, 64))
 XLIMIT = 8323072  # 127 * 2^16: the largest |x / step| of a 32-block
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The float64 references are small: one torch thread, so a busy core cannot stall them at a barrier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _lib() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
-        pytest.skip(f"native kernels unavailable here: {status['reason']}")
-    return lib
-
-
-def _interleave(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> q + 128 as uint8 [N16/16, K/4, 16, 4] (16 rows of a dword column contiguous)."""
-    n, k = q.shape
-    n16 = -(-n // 16) * 16
-    biased = (q.to(torch.int16) + 128).to(torch.uint8)
-    padded = F.pad(biased, (0, 0, 0, n16 - n), value=128)
-    return padded.view(n16 // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def _weights(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,12 +68,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_int8_vnni_matches_float64_reference_and_float32_kernel():
-    lib = _lib()
+    lib = native_library()
     worst = 0.0
     for n in NS:
         for k, group in KG:
             q, scales, w = _weights(n, k, group, seed=n * 1000 + k + group)
-            q16 = _interleave(q)
+            q16 = interleave16_i8(q)
             for m in MS:
                 x = _x(m, k, seed=m + k)
                 ref = x.double() @ w.t()
@@ -118,7 +95,7 @@ def test_int8_vnni_matches_float64_reference_and_float32_kernel():
 
 def test_int8_vnni_extreme_weights_and_x():
     """Rows of all 127 or all -128 against x blocks at their largest |X| (the int32 sums' extremes)."""
-    lib = _lib()
+    lib = native_library()
     n, k = 20, 96
     q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(5), dtype=torch.int16)
     q = q.to(torch.int8)
@@ -128,16 +105,16 @@ def test_int8_vnni_extreme_weights_and_x():
     w = q.double() * 0.5
     x = torch.tensor([[3.0] * k, [-3.0] * k, [1.0, -1.0] * (k // 2), [1e30] * k, [2.0**-120] * k])
     ref = x.double() @ w.t()
-    rc, y = _vnni(lib, x, _interleave(q), scales, n, 32)
+    rc, y = _vnni(lib, x, interleave16_i8(q), scales, n, 32)
     assert rc == 0
     assert ((y.double() - ref).abs() <= _bound(x, w)).all()
     assert (y[:, 2] == 0).all()
 
 
 def test_int8_vnni_error_codes():
-    lib = _lib()
+    lib = native_library()
     q, scales, _ = _weights(20, 64, 32, seed=1)
-    q16 = _interleave(q)
+    q16 = interleave16_i8(q)
     x = _x(3, 64, seed=2)
     rc, y = _vnni(lib, x, q16, scales, 20, 32)
     assert rc == 0 and torch.isfinite(y).all()
@@ -154,4 +131,4 @@ def test_int8_vnni_error_codes():
     q, scales, _ = _weights(20, 576, 32, seed=3)
     x = _x(64, 576, seed=4)  # enough 32-blocks (1152) for the threads to prepare x together
     x[50, 300] = float("nan")
-    assert _gemm(fn, x, _interleave(q), scales, 20, 32, threads=2)[0] == 6
+    assert _gemm(fn, x, interleave16_i8(q), scales, 20, 32, threads=2)[0] == 6
