@@ -138,6 +138,9 @@ class DecodeLayerSpec:
 
 
 LayerPages = tuple[dict[str, Tensor], dict[str, Tensor], tuple[int, int]]  # caches, scales, C modes
+# pagoda_decode_layer's codes for a projection's GEMM (10, 40, 50, 60 + the kernel's code) when the VNNI
+# kernel found NaN or inf in its input (code 6)
+_NON_FINITE_GEMM = {16: "qkv_proj", 46: "o_proj", 56: "gate_up_proj", 66: "down_proj"}
 
 
 def page_modes(cache: dict[str, Tensor], scales: dict[str, Tensor]) -> tuple[int, int] | None:
@@ -205,8 +208,8 @@ def run_decode_layers(
             raise ValueError(f"layer {i}: a slot lies outside the KV pool")
         if rc == 30:
             raise ValueError(f"layer {i}: a context length or page id lies outside the block table or pool")
-        if rc == 6:
-            raise FloatingPointError(f"layer {i}: NaN or inf in the activations of an INT4 projection")
+        if rc in _NON_FINITE_GEMM:
+            raise FloatingPointError(f"layer {i}: NaN or inf in the activations of {_NON_FINITE_GEMM[rc]}")
         if rc:
             raise RuntimeError(f"native decode layer {i} failed (code {rc})")
     return x

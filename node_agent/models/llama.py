@@ -235,9 +235,9 @@ class LlamaForCausalLM:
         pages = self.native.serves(b, weights_phase or b.phase) if self.native is not None else None
         if pages is not None:
             try:
-                return self.native.run(x.clone(), cos, sin, b, pages)
+                return self.native.run(x, cos, sin, b, pages)
             except FloatingPointError as exc:  # NaN or inf on the way: the torch path gives float semantics
-                log.warning("native decode step fell back to the per-op path: %s", exc)
+                log.warning("native decode step fell back to the per-op path: %s", exc)  # (x is untouched)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
         return x

@@ -86,3 +86,39 @@ def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
             torch.ones(1, dtype=torch.int32), pages, native.scale, 1,
         )  # fmt: skip
     assert torch.equal(k, before)
+
+
+def test_nan_in_a_projection_falls_back_to_the_torch_path(make_engine, monkeypatch):
+    """The VNNI GEMM refuses NaN or inf (code 6): the layers raise FloatingPointError naming the
+    projection, and the model runs that step's torch path, which gives float semantics."""
+    from pagoda.kernels.cpu_decode_layer_native import page_modes, run_decode_layers
+    from pagoda.kernels.cpu_int4_native import vnni_available
+
+    if not vnni_available():
+        pytest.skip("the VNNI INT4 kernel does not run here (the float32 kernel passes NaN through)")
+    engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
+    native, pool = engine.model.native, engine.pool
+    pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
+    pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
+    d = native.specs[0].c.d
+    x = torch.randn(1, native.specs[0].c.hidden)
+    x[0, 3] = float("nan")
+    before = x.clone()
+    with pytest.raises(FloatingPointError, match="layer 0: NaN or inf in the activations of qkv_proj"):
+        run_decode_layers(
+            native.specs, x, torch.ones(1, d), torch.zeros(1, d), torch.tensor([0]),
+            torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), pages, native.scale, 1,
+        )  # fmt: skip
+    assert torch.allclose(x, before, equal_nan=True)  # the caller's x is not touched
+    want = greedy_ids(engine, 4)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise FloatingPointError("layer 0: NaN or inf in the activations of qkv_proj")
+
+    monkeypatch.setattr(native, "run", refuse)
+    reset_kernel_stats()
+    assert greedy_ids(engine, 4) == want  # every decode step refused natively, then run in torch
+    assert calls and "decode_layers/native" not in kernel_stats()
+    assert kernel_stats().get("paged_decode_attention/cpu", 0) > 0
