@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_int4_params.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -32,43 +34,11 @@ static float *alloc_floats(int64_t count) {
     return (float *)aligned_alloc(64, bytes);
 }
 
-static inline float from_half(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    (void)h;
-    return 0.0f; /* unreachable: the entry point refuses float16 parameters without F16C */
-#endif
-}
-
-/* row r's scales and offsets, whatever the mode, as float32 sc[groups] and of[groups]: decoded once
- * per row of W, then every group and every row of x reads floats */
-static void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, float *sc, float *of) {
-    if (mode == 2) {
-        const uint8_t *c = (const uint8_t *)s + r * groups * 3;
-        const uint16_t *table = (const uint16_t *)o;
-        int64_t g = 0;
-        for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
-            uint32_t code;
-            memcpy(&code, c, 4);
-            sc[g] = from_half(table[code & 0xFFF]);
-            of[g] = from_half(table[(code >> 12) & 0xFFF]);
-        }
-        if (g < groups) {
-            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
-            sc[g] = from_half(table[last & 0xFFF]);
-            of[g] = from_half(table[last >> 12]);
-        }
-    } else if (mode == 1) {
-        const uint16_t *rs = (const uint16_t *)s + r * groups, *ro = (const uint16_t *)o + r * groups;
-        for (int64_t g = 0; g < groups; g++) {
-            sc[g] = from_half(rs[g]);
-            of[g] = from_half(ro[g]);
-        }
-    } else {
-        memcpy(sc, (const float *)s + r * groups, sizeof(float) * (size_t)groups);
-        memcpy(of, (const float *)o + r * groups, sizeof(float) * (size_t)groups);
-    }
+/* row r's scales and offsets as float32 sc[groups] and of[groups]: decoded once per row of W, then
+ * every group and every row of x reads floats */
+static inline void row_params(const void *s, const void *o, int mode, int64_t groups, int64_t r, float *sc,
+                              float *of) {
+    int4_row_params(s, o, mode, groups, r, sc, of, 1);
 }
 
 #ifdef __AVX512F__
@@ -228,7 +198,6 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
 #else
     const int fused = 0;
 #endif
-    const int64_t pairs = fused && m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
 #pragma omp parallel num_threads(threads)
     {
         /* per thread: two rows' parameters (sc, of each), and one dequantized row when not fused */
@@ -240,6 +209,7 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
         /* every thread reaches the same worksharing loop; one without its buffer skips the rows */
         if (fused) {
 #ifdef __AVX512F__
+            const int64_t pairs = m >= 8 ? n / 2 : 0; /* rows of W taken two at a time */
             float *sc0 = buf, *of0 = buf + groups, *sc1 = buf + 2 * groups, *of1 = buf + 3 * groups;
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < pairs + (n - 2 * pairs); u++) {
@@ -288,11 +258,7 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
  * float32: an 8-bit integer times a float16) and takes M dot products against it. */
 static void dequant_row_i8(const int8_t *q, const uint16_t *s, int64_t k, int64_t group, float *w) {
     for (int64_t g0 = 0; g0 < k; g0 += group) {
-#ifdef __F16C__
-        const float sc = _cvtsh_ss(s[g0 / group]);
-#else
-        const float sc = 0.0f;
-#endif
+        const float sc = from_half(s[g0 / group]);
         int64_t j = 0;
 #ifdef __AVX512F__
         const __m512 vs = _mm512_set1_ps(sc);

@@ -28,7 +28,9 @@ from .vnni_layout import deinterleave16, deinterleave16_i8
 
 log = logging.getLogger("pagoda.kernels")
 
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_math.h", "cpu_vnni.h"))  # hashed, not compiled
+HEADERS = tuple(  # included by the sources: hashed into the build key, not compiled
+    Path(__file__).with_name(n) for n in ("cpu_math.h", "cpu_vnni.h", "cpu_int4_params.h")
+)
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_int4_params.h"
 #include "cpu_vnni.h" /* xblock, prepare_block; PAGODA_VNNI where AVX-512 F/BW/VNNI and F16C are built in */
 
 #ifdef PAGODA_VNNI
@@ -31,36 +32,7 @@ static void block_params(const void *s, const void *o, int mode, int64_t groups,
     if (rows < 16)
         for (int64_t g = 0; g < groups; g++)
             for (int r = rows; r < 16; r++) d[g * 16 + r] = of[g * 16 + r] = 0.0f;
-    for (int r = 0; r < rows; r++) {
-        const int64_t row = r0 + r;
-        float *dr = d + r, *orr = of + r;
-        if (mode == 2) {
-            const uint8_t *c = (const uint8_t *)s + row * groups * 3;
-            const uint16_t *table = (const uint16_t *)o;
-            int64_t g = 0;
-            for (; g + 1 < groups; g++, c += 3) { /* four bytes at a time, the fourth the next group's */
-                uint32_t code;
-                memcpy(&code, c, 4);
-                dr[g * 16] = _cvtsh_ss(table[code & 0xFFF]);
-                orr[g * 16] = _cvtsh_ss(table[(code >> 12) & 0xFFF]);
-            }
-            const uint32_t last = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16;
-            dr[g * 16] = _cvtsh_ss(table[last & 0xFFF]);
-            orr[g * 16] = _cvtsh_ss(table[last >> 12]);
-        } else if (mode == 1) {
-            const uint16_t *rs = (const uint16_t *)s + row * groups, *ro = (const uint16_t *)o + row * groups;
-            for (int64_t g = 0; g < groups; g++) {
-                dr[g * 16] = _cvtsh_ss(rs[g]);
-                orr[g * 16] = _cvtsh_ss(ro[g]);
-            }
-        } else {
-            const float *rs = (const float *)s + row * groups, *ro = (const float *)o + row * groups;
-            for (int64_t g = 0; g < groups; g++) {
-                dr[g * 16] = rs[g];
-                orr[g * 16] = ro[g];
-            }
-        }
-    }
+    for (int r = 0; r < rows; r++) int4_row_params(s, o, mode, groups, r0 + r, d + r, of + r, 16);
 }
 
 /* R rows of x (xq, `blocks` xblocks per row) against one block of 16 rows of W (w: its K/8 x 64 bytes;
