@@ -72,11 +72,8 @@ def _i4(w: Int4Weight) -> _I4:
 def int4_servable(w: object) -> bool:
     """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, parameters
     the kernel reads (float32, float16 or codes), K a multiple of the group."""
-    if not isinstance(w, Int4Weight) or w.native_nibbles() is None:
-        return False
-    if w.native_nibbles()[0].device.type != "cpu":
-        return False
-    if w.in_features % w.group_size:
+    nibbles = w.native_nibbles() if isinstance(w, Int4Weight) else None
+    if nibbles is None or nibbles[0].device.type != "cpu" or w.in_features % w.group_size:
         return False
     return w.native_params() is not None
 

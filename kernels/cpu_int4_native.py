@@ -139,6 +139,16 @@ def _vnni_probe(kind: str) -> bool:
     return _vnni_runs[kind]
 
 
+def _ran(rc: int, kernel: str, k: int, group: int, vnni: bool = False) -> bool:
+    """True when a native GEMM returned 0; False when a VNNI one found NaN or inf in x (the caller then
+    runs the float32 kernel); any other code raises."""
+    if rc == 0:
+        return True
+    if vnni and rc == _NON_FINITE:
+        return False
+    raise RuntimeError(f"native {kernel} kernel failed (code {rc}) for K={k}, group={group}")
+
+
 def vnni_available() -> bool:
     """Whether the VNNI INT4 kernel runs here (probed once; ``PAGODA_NATIVE_VNNI=0`` turns it off)."""
     return _vnni_probe("int4")
@@ -193,18 +203,15 @@ def native_int4_mm(
             x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), mode, n, group,
             y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if rc == 0:
+        if _ran(rc, "VNNI INT4", k, group, vnni=True):
             return y
-        if rc != _NON_FINITE:
-            raise RuntimeError(f"native VNNI INT4 kernel failed (code {rc}) for K={k}, group={group}")
         packed = deinterleave16(packed, n)  # float semantics for NaN and inf: the float32 kernel
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.pagoda_int4_gemm_f32(
         x.data_ptr(), m, k, packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), mode, n, group,
         y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native INT4 kernel failed (code {rc}) for K={k}, group={group}")
+    _ran(rc, "INT4", k, group)
     return y
 
 
@@ -233,15 +240,12 @@ def native_int8_mm(
             x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
-        if rc == 0:
+        if _ran(rc, "VNNI INT8", k, group, vnni=True):
             return y
-        if rc != _NON_FINITE:
-            raise RuntimeError(f"native VNNI INT8 kernel failed (code {rc}) for K={k}, group={group}")
         qweight = deinterleave16_i8(qweight, n)  # float semantics for NaN and inf: the float32 kernel
     rc = lib.pagoda_int8_gemm_f32(
         x.data_ptr(), m, k, qweight.data_ptr(), scales.data_ptr(), n, group, y.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"native INT8 kernel failed (code {rc}) for K={k}, group={group}")
+    _ran(rc, "INT8", k, group)
     return y
