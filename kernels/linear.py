@@ -151,8 +151,7 @@ class Int8Linear:
         self.weight = weight
         self.dtype = dtype
         self.backend = backend
-        q = weight.qweight if weight.qweight is not None else weight.q16
-        if dtype == torch.float32 and select_backend(q.device, backend) == "cpu":
+        if dtype == torch.float32 and select_backend(weight.scales.device, backend) == "cpu":
             weight.prepare_native()  # block weights: the VNNI kernel's layout where it runs
 
     @property
