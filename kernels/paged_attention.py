@@ -1,8 +1,9 @@
 """Paged KV cache ops: write, decode/prefill attention, page conversion, FP8 scale calibration.
 
 Layout per layer: ``k_cache``/``v_cache`` [num_pages, page_size, num_kv_heads, head_dim] in
-float32, bfloat16 or float8_e4m3fn. An FP8 cache has a scale tensor (``k_scale``/``v_scale``) of
-one of two kinds, told apart by its rank:
+float32, bfloat16, float8_e4m3fn or int8. An int8 cache (``int8_format``) always has per-token page
+scales (below). An FP8 cache has a scale tensor (``k_scale``/``v_scale``) of one of two kinds, told
+apart by its rank:
 
 * static: float32 ``[num_kv_heads]``, fixed by calibration (per head; per tensor = one value
   repeated); dequant ``q.float() * scale[h]``;
@@ -13,7 +14,7 @@ one of two kinds, told apart by its rank:
 A slot is ``page * page_size + offset``; negative slots in ``write_kv`` are skipped (padding).
 A sequence with ``context_len == 0`` produces zeros.
 
-The "cpu" backend runs ``write_kv`` and ``paged_decode_attention`` on float32 and FP8 pages as one
+The "cpu" backend runs ``write_kv`` and ``paged_decode_attention`` on float32, FP8 and int8 pages as one
 native call each (``cpu_attention_native``; ``PAGODA_NATIVE_ATTENTION=0`` turns that off) and falls
 back to the vectorized torch code here for other pools or when the native library is unavailable.
 """
@@ -38,8 +39,10 @@ from .fp8_format import (
     raw_bytes,
     token_scales,
 )
+from .int8_format import INT8_DTYPE, int8_token_scales, quantize_int8
 
-KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE)
+KV_DTYPES = (torch.float32, torch.bfloat16, FP8_DTYPE, INT8_DTYPE)
+SCALED_DTYPES = (FP8_DTYPE, INT8_DTYPE)  # 1-byte elements that dequantize with scales
 # Measured on SmolLM2-135M K/V (calibrate on one text, serve another): headroom 1.0 clips ~0.1% of
 # values and raises the error to 2.8-3.4%; 1.5 clips none at 2.6% (see docs/kernels.md).
 RECOMMENDED_KV_HEADROOM = 1.5
@@ -57,10 +60,12 @@ def _check_cache(cache: Tensor, scale: Tensor | None, name: str) -> None:
         )
     if cache.dtype not in KV_DTYPES:
         raise ValueError(f"{name} dtype {cache.dtype} not in {KV_DTYPES}")
-    if cache.dtype != FP8_DTYPE:
+    if cache.dtype not in SCALED_DTYPES:
         return
     if scale is None:
-        raise ValueError(f"{name} is float8_e4m3fn and needs a scale")
+        raise ValueError(f"{name} is {cache.dtype} and needs a scale")
+    if cache.dtype == INT8_DTYPE and not is_page_scale(scale):
+        raise ValueError(f"{name} is int8 and needs per-token page scales {tuple(cache.shape[:3])}")
     if is_page_scale(scale):
         if scale.shape != cache.shape[:3] or scale.dtype != TOKEN_SCALE_DTYPE:
             raise ValueError(
@@ -74,8 +79,11 @@ def _check_cache(cache: Tensor, scale: Tensor | None, name: str) -> None:
 def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Values [..., H, D] -> (cache dtype values, their per-token scales [..., H] or None).
 
-    fp8 with a static ``scale`` [H] quantizes with it; fp8 with page scales (``is_page_scale``)
-    computes each token's own scales, which the caller stores beside the values."""
+    fp8 with a static ``scale`` [H] quantizes with it; fp8 or int8 with page scales
+    (``is_page_scale``) computes each token's own scales, which the caller stores beside the values."""
+    if dtype == INT8_DTYPE:
+        s = int8_token_scales(x)
+        return quantize_int8(x, s[..., None]), s
     if dtype != FP8_DTYPE:
         return x.to(dtype), None
     if is_page_scale(scale):
@@ -86,7 +94,7 @@ def _encode(x: Tensor, dtype: torch.dtype, scale: Tensor | None) -> tuple[Tensor
 
 def _decode(x: Tensor, scale: Tensor | None) -> Tensor:
     """Cache values [..., H, D] -> float32; ``scale`` is static [H] or the values' own rows [..., H]."""
-    if x.dtype == FP8_DTYPE:
+    if x.dtype in SCALED_DTYPES:
         return x.float() * scale.float()[..., None]
     return x.float()
 
@@ -256,10 +264,10 @@ def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) ->
 
     # fp8 static scales (and the 2**120 of the fast decode) fold into q (K) and the output (V);
     # per-token K scales multiply the scores, per-token V scales the probabilities (D/G x fewer
-    # values than the pages they scale).
+    # values than the pages they scale). int8 pages read their plain values.
     qf = q.float().view(bsz, hkv, group, d) * scale
-    k_tok = k_cache.dtype == FP8_DTYPE and is_page_scale(k_scale)
-    v_tok = v_cache.dtype == FP8_DTYPE and is_page_scale(v_scale)
+    k_tok = k_cache.dtype in SCALED_DTYPES and is_page_scale(k_scale)
+    v_tok = v_cache.dtype in SCALED_DTYPES and is_page_scale(v_scale)
     if k_cache.dtype == FP8_DTYPE:
         qf = qf * (FP8_BF16_BIAS if k_tok else (k_scale.float() * FP8_BF16_BIAS).view(1, hkv, 1, 1))
     scores = torch.matmul(qf, gather(k_cache).transpose(-1, -2))  # [B, Hkv, G, span]
@@ -360,7 +368,7 @@ def convert_pages(
     backend: str | None = None,
 ) -> None:
     """Copy whole K and V pages between pools (bf16 -> fp8 quantizes with the destination scales;
-    destination page scales are filled from each token's amax)."""
+    destination page scales, fp8 or int8, are filled from each token's amax)."""
     for cache, scale, name in (
         (src_k, src_k_scale, "src_k"),
         (src_v, src_v_scale, "src_v"),
@@ -425,10 +433,11 @@ def _convert(
     x: Tensor, dtype: torch.dtype, s_rows: Tensor | None, d_scale: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
     """Pages ``x`` with their scales -> (pages in ``dtype``, their page scales or None). fp8 pages
-    keep their bytes when both sides use page scales (the rows move along) or equal static scales."""
-    if x.dtype == dtype != FP8_DTYPE:
+    keep their bytes when both sides use page scales (the rows move along) or equal static scales;
+    so do int8 pages (always page-scaled)."""
+    if x.dtype == dtype not in SCALED_DTYPES:
         return x, None
-    if x.dtype == dtype == FP8_DTYPE:
+    if x.dtype == dtype in SCALED_DTYPES:
         if is_page_scale(d_scale) and s_rows.dim() == x.dim() - 1:
             return x, s_rows
         if not is_page_scale(d_scale) and s_rows.dim() == 1 and torch.equal(s_rows, d_scale):
@@ -465,5 +474,6 @@ def calibrate_tensor_scales(x: Tensor, headroom: float = 1.0) -> Tensor:
 
 
 def empty_page_scales(num_pages: int, page_size: int, heads: int, device: torch.device | str) -> Tensor:
-    """Zeroed per-token scales for a pool of ``num_pages`` fp8 pages (filled as pages are written)."""
+    """Zeroed per-token scales for a pool of ``num_pages`` fp8 or int8 pages (filled as pages are
+    written)."""
     return torch.zeros(num_pages, page_size, heads, dtype=TOKEN_SCALE_DTYPE, device=device)

@@ -28,16 +28,18 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def paged_kv(lens, page_size, hkv, d, kv: str, seed: int = 0):
     """``make_paged_kv`` for every KV kind: "fp8tok" has per-token K page scales (V static per
     head, the engine's default), "fp8tok2" per-token scales for both (converted from fp32 pages by
-    the reference path, so the pages hold the same tokens as the other kinds)."""
-    if kv not in ("fp8tok", "fp8tok2"):
+    the reference path, so the pages hold the same tokens as the other kinds), "int8" int8 K and V
+    with per-token page scales (converted likewise)."""
+    if kv not in ("fp8tok", "fp8tok2", "int8"):
         return make_paged_kv(lens, page_size, hkv, d, KV_DTYPES[kv], seed=seed)
     pk = make_paged_kv(lens, page_size, hkv, d, torch.float32, seed=seed)
     pages = torch.arange(pk.k_cache.shape[0])
     ks = empty_page_scales(len(pages), page_size, hkv, "cpu")
-    vs = empty_page_scales(len(pages), page_size, hkv, "cpu") if kv == "fp8tok2" else None
+    vs = empty_page_scales(len(pages), page_size, hkv, "cpu") if kv != "fp8tok" else None
     if vs is None:
         vs = calibrate_kv_scales(torch.cat(pk.keys), torch.cat(pk.values))[1]
-    k8, v8 = (torch.zeros(pk.k_cache.shape, dtype=FP8_DTYPE) for _ in range(2))
+    dt = torch.int8 if kv == "int8" else FP8_DTYPE
+    k8, v8 = (torch.zeros(pk.k_cache.shape, dtype=dt) for _ in range(2))
     for src, dst, sc in ((pk.k_cache, k8, ks), (pk.v_cache, v8, vs)):
         convert_component_pages(src.cpu(), dst, pages, pages, sc, backend="reference")
     pk.k_cache, pk.v_cache, pk.k_scale, pk.v_scale = (
@@ -49,7 +51,7 @@ def paged_kv(lens, page_size, hkv, d, kv: str, seed: int = 0):
     return pk
 
 
-KV_KINDS = ["fp32", "bf16", "fp8", "fp8tok", "fp8tok2"]
+KV_KINDS = ["fp32", "bf16", "fp8", "fp8tok", "int8", "fp8tok2"]
 
 
 def full_softmax_attention(q, keys, values, scale):
