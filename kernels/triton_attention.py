@@ -2,10 +2,14 @@
 
 Grid: (sequence, KV head, context split). Each program loads the query heads that share its KV
 head (GQA) as one [BLOCK_G, D] tile, walks its share of the sequence's pages one page at a time
-(K/V dequantized in-kernel: fp8 bytes are bitcast to e4m3; static per-head scales fold into q and
-the output, per-token page scales multiply the scores (K) or the probabilities (V)), keeps a running
-max / sum / weighted V in float32, and writes unnormalized partials. The wrapper merges the
-splits (log-sum-exp) - with one split this is exactly a single online-softmax pass.
+(K/V dequantized in-kernel: fp8 bytes are bitcast to e4m3, int8 values convert to float32 as they
+are; static per-head fp8 scales fold into q and the output, per-token page scales - fp8's optional
+ones, int8's always - multiply the scores (K) or the probabilities (V)), keeps a running max / sum /
+weighted V in float32, and writes unnormalized partials. The wrapper merges the splits
+(log-sum-exp) - with one split this is exactly a single online-softmax pass.
+
+K and V pages are of one kind: both float (float32 / bfloat16), both fp8 or both int8 (with page
+scales); other combinations raise ValueError.
 """
 
 from __future__ import annotations
@@ -16,20 +20,43 @@ import triton.language as tl
 from torch import Tensor
 
 from .fp8_format import FP8_DTYPE, raw_bytes
+from .int8_format import INT8_DTYPE
 from .triton_common import target_programs
 
 
+def _kv_kind(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> str:
+    """The pages' common kind ("float", "fp8" or "int8"); ValueError for mixed kinds, scaled
+    pages without scales, or int8 pages without per-token page scales."""
+    kinds = [
+        "fp8" if c.dtype == FP8_DTYPE else "int8" if c.dtype == INT8_DTYPE else "float"
+        for c in (k_cache, v_cache)
+    ]
+    if kinds[0] != kinds[1]:
+        raise ValueError(
+            f"k_cache and v_cache must be of one kind (both float, both fp8 or both int8), "
+            f"got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    kind = kinds[0]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if kind != "float" and s is None:
+            raise ValueError(f"{kind} pages need {name}")
+        if kind == "int8" and s.dim() != 3:
+            raise ValueError(f"int8 pages need per-token page scales for {name}, got {tuple(s.shape)}")
+    return kind
+
+
 def _scale_args(
-    kv_fp8: bool, k_scale: Tensor | None, v_scale: Tensor | None, hkv: int, device: torch.device
+    kind: str, k_scale: Tensor | None, v_scale: Tensor | None, hkv: int, device: torch.device
 ) -> tuple[Tensor, Tensor, bool, bool]:
-    """The kernels' scale operands: static float32 [Hkv] (ones for unscaled pages) or contiguous
-    per-token page scales [P, page_size, Hkv] (bfloat16, read per key), and which is which."""
+    """The kernels' scale operands: static float32 [Hkv] (ones for float pages) or contiguous
+    per-token page scales [P, page_size, Hkv] (bfloat16, read per key; int8 pages always have
+    them), and which is which."""
     ones = torch.ones(hkv, dtype=torch.float32, device=device)
     out: list[Tensor] = []
     tok: list[bool] = []
     for s in (k_scale, v_scale):
-        per_token = kv_fp8 and s.dim() == 3
-        out.append(s.contiguous() if per_token else (s if kv_fp8 else ones).float().contiguous())
+        per_token = kind != "float" and s.dim() == 3
+        out.append(s.contiguous() if per_token else (s if kind == "fp8" else ones).float().contiguous())
         tok.append(per_token)
     return out[0], out[1], tok[0], tok[1]
 
@@ -70,8 +97,8 @@ def _paged_decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    K_TOK: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 bytes (int8 pages: False, with K_TOK and V_TOK set)
+    K_TOK: tl.constexpr,  # K page scales per token (else static per head, or none for float)
     V_TOK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -101,7 +128,7 @@ def _paged_decode_kernel(
         v_off = page * stride_vp + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :]
         k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
         v = tl.load(v_ptr + v_off, mask=kv_mask, other=0)
-        if KV_FP8:
+        if KV_FP8:  # fp8 arrives as bytes; int8 and float pages convert as loaded
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
         k = k.to(tl.float32)
@@ -144,11 +171,9 @@ def paged_decode_attention_triton(
     bsz, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
+    kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
     if bsz == 0:
         return torch.empty_like(q)
-    kv_fp8 = k_cache.dtype == FP8_DTYPE
-    if kv_fp8 != (v_cache.dtype == FP8_DTYPE):
-        raise ValueError("k_cache and v_cache must both be fp8 or both not")
     max_pages = block_tables.shape[1]
     if num_splits is None:
         num_splits = max(1, min(max_pages, target_programs(q.device) // (bsz * hkv)))
@@ -161,7 +186,7 @@ def paged_decode_attention_triton(
     acc = torch.empty(bsz, hkv, num_splits, block_g, block_d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hkv, num_splits, block_g, 2, dtype=torch.float32, device=q.device)
     kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
-    ks, vs, k_tok, v_tok = _scale_args(kv_fp8, k_scale, v_scale, hkv, q.device)
+    ks, vs, k_tok, v_tok = _scale_args(kind, k_scale, v_scale, hkv, q.device)
     tables = block_tables.to(torch.int32)
     _paged_decode_kernel[(bsz, hkv, num_splits)](
         q,
@@ -198,7 +223,7 @@ def paged_decode_attention_triton(
         BLOCK_G=block_g,
         BLOCK_D=block_d,
         BLOCK_T=block_t,
-        KV_FP8=kv_fp8,
+        KV_FP8=kind == "fp8",
         K_TOK=k_tok,
         V_TOK=v_tok,
     )
@@ -243,8 +268,8 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    K_TOK: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 bytes (int8 pages: False, with K_TOK and V_TOK set)
+    K_TOK: tl.constexpr,  # K page scales per token (else static per head, or none for float)
     V_TOK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -280,7 +305,7 @@ def _paged_prefill_kernel(
         v_off = page * stride_vp + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
         k = tl.load(k_ptr + k_off, mask=kv_mask, other=0)
         v = tl.load(v_ptr + v_off, mask=kv_mask, other=0)
-        if KV_FP8:
+        if KV_FP8:  # fp8 arrives as bytes; int8 and float pages convert as loaded
             k = k.to(tl.float8e4nv, bitcast=True)
             v = v.to(tl.float8e4nv, bitcast=True)
         k = k.to(tl.float32)
@@ -327,15 +352,15 @@ def paged_prefill_attention_triton(
     t, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     bsz = context_lens.shape[0]
+    kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
     if t == 0 or bsz == 0:
         return torch.zeros_like(q)
-    kv_fp8 = k_cache.dtype == FP8_DTYPE
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
     block_q = 16
     out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
     kc, vc = raw_bytes(k_cache), raw_bytes(v_cache)
-    ks, vs, k_tok, v_tok = _scale_args(kv_fp8, k_scale, v_scale, hkv, q.device)
+    ks, vs, k_tok, v_tok = _scale_args(kind, k_scale, v_scale, hkv, q.device)
     tables = block_tables.to(torch.int32)
     grid = (bsz, triton.cdiv(max(max_q_len, 1), block_q), hq)
     _paged_prefill_kernel[grid](
@@ -368,7 +393,7 @@ def paged_prefill_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_T=max(16, triton.next_power_of_2(page_size)),
-        KV_FP8=kv_fp8,
+        KV_FP8=kind == "fp8",
         K_TOK=k_tok,
         V_TOK=v_tok,
     )

@@ -250,7 +250,7 @@ def test_calibrate_kv_scales():
 
 
 @needs_triton
-@pytest.mark.parametrize("kv", ["fp8", "fp8tok"])
+@pytest.mark.parametrize("kv", ["fp8", "fp8tok", "int8"])
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 def test_triton_decode_context_splits(splits, kv):
     """Every split count merges to the same result (including splits with no pages)."""
@@ -262,6 +262,36 @@ def test_triton_decode_context_splits(splits, kv):
     ref = paged_decode_attention(q, *args, backend="reference")
     out = paged_decode_attention_triton(q, *args, num_splits=splits)
     torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+
+
+@needs_triton
+def test_triton_attention_rejects_unsupported_kv_kinds():
+    """int8 pages pair only with int8 pages and always need per-token page scales (checked
+    before any launch, also for an empty batch)."""
+    from pagoda.kernels.triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+
+    i8 = torch.zeros(2, 4, 2, 16, dtype=torch.int8, device=DEVICE)
+    f8 = torch.zeros(2, 4, 2, 16, dtype=FP8_DTYPE, device=DEVICE)
+    tok = empty_page_scales(2, 4, 2, DEVICE)
+    static = torch.ones(2, device=DEVICE)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([3], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 4, 16, device=DEVICE)
+    bad = [
+        ((i8, f8, tok, tok), "one kind"),
+        ((i8, torch.zeros_like(i8, dtype=torch.float32), tok, None), "one kind"),
+        ((i8, i8, static, tok), "per-token page scales for k_scale"),
+        ((i8, i8, tok, static), "per-token page scales for v_scale"),
+        ((i8, i8, tok, None), "int8 pages need v_scale"),
+        ((f8, f8, None, static), "fp8 pages need k_scale"),
+    ]
+    for (kc, vc, ks, vs), msg in bad:
+        for qq in (q, q[:0]):
+            with pytest.raises(ValueError, match=msg):
+                paged_decode_attention_triton(qq, kc, vc, tables, lens, 0.25, ks, vs)
+        with pytest.raises(ValueError, match=msg):
+            paged_prefill_attention_triton(q, kc, vc, tables, cu, lens, 0.25, ks, vs)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_triton)])
