@@ -1,16 +1,20 @@
-/* Paged KV writes and paged decode attention for CPUs, over float32 or FP8 e4m3 (float8_e4m3fn) pages.
+/* Paged KV writes and paged decode attention for CPUs, over float32, FP8 e4m3 (float8_e4m3fn) or
+ * int8 pages.
  *
  * Layout (kernels/paged_attention.py): pages [num_pages, page_size, H, D]; FP8 scales either static
- * float32 [H] or per token bfloat16 [num_pages, page_size, H] beside the pages (raw uint16 bits here).
+ * float32 [H] or per token bfloat16 [num_pages, page_size, H] beside the pages (raw uint16 bits here);
+ * int8 pages always have per-token bfloat16 scales (kernels/int8_format.py).
  *
- * pagoda_write_kv is bit-exact with the torch path: per-token scales are bf16_rne(max(amax|x| / 448,
- * 1e-12)), values e4m3fn_rne(clamp(x / scale, -448, 448)) with true float32 division (the file must
- * not be built with -ffast-math). pagoda_paged_decode runs one (sequence, KV head) pair per OpenMP
- * iteration: the G query heads of that KV head score every cached token, a max-subtracted float32
- * softmax, then the weighted V sum. FP8 codes decode through float16 bits (the e4m3 sign, exponent
- * and mantissa placed so that the half reads code * 2**-8, subnormals included), the 2**8 folded into
- * the scales. Built at run time by kernels/cpu_int4_native.py and called through
- * kernels/cpu_attention_native.py.
+ * pagoda_write_kv is bit-exact with the torch path, with true float32 division (the file must not be
+ * built with -ffast-math): FP8 per-token scales are bf16_rne(max(amax|x| / 448, 1e-12)), values
+ * e4m3fn_rne(clamp(x / scale, -448, 448)); int8 scales are bf16_rne(max(amax|x| / 127, 1e-12)),
+ * values clamp(round_half_even(x / scale), -127, 127) with NaN stored as 0 (NaN rows get a NaN
+ * scale). pagoda_paged_decode runs one (sequence, KV head) pair per OpenMP iteration: the G query
+ * heads of that KV head score every cached token, a max-subtracted float32 softmax, then the weighted
+ * V sum. Rows load as float32 whatever their element kind: FP8 codes decode through float16 bits (the
+ * e4m3 sign, exponent and mantissa placed so that the half reads code * 2**-8, subnormals included),
+ * the 2**8 folded into the scales; int8 values convert exactly and their scale multiplies as is.
+ * Built at run time by kernels/cpu_int4_native.py and called through kernels/cpu_attention_native.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,10 +27,18 @@
 #endif
 
 #define E4M3_MAX 448.0f
+#define INT8_MAX_F 127.0f
 #define SCALE_FLOOR 1e-12f
 #define HALF_BIAS 256.0f /* decoded codes read value * 2**-8 */
 
-enum { MODE_F32 = 0, MODE_FP8_STATIC = 1, MODE_FP8_TOKEN = 2 };
+enum { MODE_F32 = 0, MODE_FP8_STATIC = 1, MODE_FP8_TOKEN = 2, MODE_INT8_TOKEN = 3 };
+
+/* what one cached element is: a float32, an e4m3 code or an int8 value */
+typedef enum { ELEM_F32 = 0, ELEM_E4M3 = 1, ELEM_I8 = 2 } elem_kind;
+
+static inline elem_kind mode_elem(int mode) {
+    return mode == MODE_F32 ? ELEM_F32 : mode == MODE_INT8_TOKEN ? ELEM_I8 : ELEM_E4M3;
+}
 
 static inline uint32_t f2u(float f) {
     uint32_t u;
@@ -40,9 +52,10 @@ static inline float u2f(uint32_t u) {
     return f;
 }
 
-/* float32 -> bfloat16 bits, round to nearest even; NaN -> the canonical quiet NaN (as torch). */
+/* float32 -> bfloat16 bits, round to nearest even; NaN -> 0xFFFF, as torch's vectorized CPU cast
+ * (its scalar one gives 0x7FC0; both read as NaN). */
 static inline uint16_t f32_to_bf16(float f) {
-    if (isnan(f)) return 0x7FC0;
+    if (isnan(f)) return 0xFFFF;
     uint32_t u = f2u(f);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
@@ -120,6 +133,40 @@ void pagoda_f32_to_e4m3(const float *x, int64_t n, uint8_t *out, int scalar) {
     }
 }
 
+/* float32 -> int8 as torch's round().clamp(-127, 127).nan_to_num(0): round half to even in the
+ * default rounding mode; the clamp before lrintf keeps huge values in range (same result). */
+static inline int8_t f32_to_i8(float y) {
+    if (isnan(y)) return 0;
+    y = y < -INT8_MAX_F ? -INT8_MAX_F : (y > INT8_MAX_F ? INT8_MAX_F : y);
+    return (int8_t)lrintf(y);
+}
+
+/* One token's row of one head: x [D] -> int8 round(x / s) clamped to +-127, NaN -> 0. */
+static void quantize_row_i8(const float *x, int64_t d, float s, int8_t *dst) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-INT8_MAX_F), hi = _mm512_set1_ps(INT8_MAX_F);
+    for (; i + 16 <= d; i += 16) {
+        __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), vs);
+        __mmask16 ord = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q); /* NaN lanes -> 0 below */
+        y = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        y = _mm512_min_ps(hi, _mm512_max_ps(lo, y));
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(_mm512_maskz_cvtps_epi32(ord, y)));
+    }
+#endif
+    for (; i < d; i++) dst[i] = f32_to_i8(x[i] / s);
+}
+
+/* Test hook: n float32 values -> int8 round(x / s) clamped to +-127 (NaN -> 0), through the vector
+ * path of quantize_row_i8 (scalar = 0; its scalar tail for the last n % 16) or the scalar one alone. */
+void pagoda_f32_to_int8(const float *x, int64_t n, float s, int8_t *out, int scalar) {
+    if (!scalar) {
+        quantize_row_i8(x, n, s, out);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_i8(x[i] / s);
+}
+
 /* amax(|x|) over d values; NaN when any is NaN (as torch's amax). */
 static float abs_max(const float *x, int64_t d) {
     float m = 0.0f;
@@ -155,15 +202,18 @@ static void write_component(const float *x, int64_t x_stride, int64_t t, int64_t
                 continue;
             }
             float s;
-            if (mode == MODE_FP8_TOKEN) {
-                float amax = abs_max(row, d) / E4M3_MAX;
+            if (mode == MODE_FP8_TOKEN || mode == MODE_INT8_TOKEN) {
+                float amax = abs_max(row, d) / (mode == MODE_INT8_TOKEN ? INT8_MAX_F : E4M3_MAX);
                 uint16_t bits = f32_to_bf16(amax < SCALE_FLOOR ? SCALE_FLOOR : amax); /* NaN stays NaN */
                 ((uint16_t *)scale)[slot * h + hi] = bits;
                 s = u2f((uint32_t)bits << 16);
             } else {
                 s = ((const float *)scale)[hi];
             }
-            quantize_row(row, d, s, (uint8_t *)cache + at);
+            if (mode == MODE_INT8_TOKEN)
+                quantize_row_i8(row, d, s, (int8_t *)cache + at);
+            else
+                quantize_row(row, d, s, (uint8_t *)cache + at);
         }
     }
 }
@@ -182,12 +232,18 @@ int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const fl
 
 /* --------------------------------------------------------------------------------------- decode */
 
-/* One cached row (d values, float32 or e4m3 codes) -> float32 dst, zero-padded to dp (a multiple of
- * 16). FP8 rows read code * 2**-8. */
-static inline void load_row(const void *src, int fp8, int64_t d, int64_t dp, float *dst) {
+/* One cached row (d elements of one kind) -> float32 dst, zero-padded to dp (a multiple of 16).
+ * FP8 rows read code * 2**-8, int8 rows their values. */
+static inline void load_row(const void *src, elem_kind kind, int64_t d, int64_t dp, float *dst) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    if (fp8) {
+    if (kind == ELEM_I8) {
+        const int8_t *p = (const int8_t *)src;
+        for (; i + 16 <= d; i += 16) {
+            __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+            _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(v));
+        }
+    } else if (kind == ELEM_E4M3) {
         const uint8_t *p = (const uint8_t *)src;
         for (; i + 16 <= d; i += 16) {
             /* e4m3 s.eeee.mmm -> half s.0eeee.mmm0000000: reads code * 2**-8, subnormals too */
@@ -201,7 +257,9 @@ static inline void load_row(const void *src, int fp8, int64_t d, int64_t dp, flo
         for (; i + 16 <= d; i += 16) _mm512_storeu_ps(dst + i, _mm512_loadu_ps(p + i));
     }
 #endif
-    if (fp8)
+    if (kind == ELEM_I8)
+        for (; i < d; i++) dst[i] = (float)((const int8_t *)src)[i];
+    else if (kind == ELEM_E4M3)
         for (; i < d; i++) dst[i] = e4m3_table[((const uint8_t *)src)[i]];
     else
         for (; i < d; i++) dst[i] = ((const float *)src)[i];
@@ -279,9 +337,10 @@ typedef struct {
     const void *scale; /* float32 [H] (static) or bf16 bits [num_pages, page_size, H] (per token) */
 } kv_part;
 
-/* the factor of token slot `slot` of head h: its scale (times the 2**8 of the half decode) or 1 */
+/* the factor of token slot `slot` of head h: its scale (FP8: times the 2**8 of the half decode) or 1 */
 static inline float row_scale(const kv_part *p, int64_t slot, int64_t hkv, int64_t h) {
     if (p->mode == MODE_F32) return 1.0f;
+    if (p->mode == MODE_INT8_TOKEN) return bf16_to_f32(((const uint16_t *)p->scale)[slot * hkv + h]);
     float s = p->mode == MODE_FP8_TOKEN ? bf16_to_f32(((const uint16_t *)p->scale)[slot * hkv + h])
                                         : ((const float *)p->scale)[h];
     return s * HALF_BIAS;
@@ -299,8 +358,8 @@ static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const
         memset(o, 0, (size_t)(g * d) * sizeof(float));
         return;
     }
-    const int fk = kp->mode != MODE_F32, fv = vp->mode != MODE_F32;
-    const size_t ek = fk ? 1 : 4, ev = fv ? 1 : 4;
+    const elem_kind fk = mode_elem(kp->mode), fv = mode_elem(vp->mode);
+    const size_t ek = fk == ELEM_F32 ? 4 : 1, ev = fv == ELEM_F32 ? 4 : 1;
     for (int64_t gi = 0; gi < g; gi++) {
         const float *qr = q + (b * hq + h * g + gi) * d;
         for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = i < d ? qr[i] * scale : 0.0f;
@@ -332,8 +391,12 @@ static inline __m512 fp8x16(const uint8_t *p, __mmask16 m) {
     return _mm512_cvtph_ps(c);
 }
 
-static inline __m512 row_chunk(const void *base, int fp8, int64_t at, __mmask16 m) {
-    return fp8 ? fp8x16((const uint8_t *)base + at, m) : _mm512_maskz_loadu_ps(m, (const float *)base + at);
+/* 16 elements of a row at element offset `at` (lanes outside m read as 0) -> float32; FP8 as fp8x16 */
+static inline __m512 row_chunk(const void *base, elem_kind kind, int64_t at, __mmask16 m) {
+    if (kind == ELEM_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, (const int8_t *)base + at)));
+    return kind == ELEM_E4M3 ? fp8x16((const uint8_t *)base + at, m)
+                             : _mm512_maskz_loadu_ps(m, (const float *)base + at);
 }
 
 /* lane t of the result = the sum of the 16 lanes of v[t] */
@@ -363,7 +426,7 @@ static void decode_pair_fast(const float *q, int64_t hq, int64_t d, int64_t dp, 
     float *qs = buf, *scores = qs + gp * dp, *ksc = scores + gp * lp, *vsc = ksc + lp;
     int64_t *rows = (int64_t *)(vsc + lp);
     float *o = out + (b * hq + h * g) * d;
-    const int fk = kp->mode != MODE_F32, fv = vp->mode != MODE_F32;
+    const elem_kind fk = mode_elem(kp->mode), fv = mode_elem(vp->mode);
     for (int64_t gi = 0; gi < gp; gi++) {
         const float *qr = q + (b * hq + h * g + gi) * d;
         for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = gi < g && i < d ? qr[i] * scale : 0.0f;

@@ -1,8 +1,8 @@
 """ctypes wrappers of ``cpu_attention.c``: the native CPU paged KV write and paged decode attention.
 
-Both serve float32 and FP8 e4m3 caches (static or per-token scales) on CPU tensors; for anything
-else (bfloat16 pages, CUDA tensors, shapes the torch path would reject) they return False/None and
-the caller runs the torch path, which then raises its own errors. They also step aside when the
+Both serve float32 caches, FP8 e4m3 caches (static or per-token scales) and int8 caches (per-token
+scales) on CPU tensors; for anything else (bfloat16 pages, CUDA tensors, shapes the torch path would
+reject) they return False/None and the caller runs the torch path, which then raises its own errors. They also step aside when the
 native library cannot be built (``cpu_int4_native.status``) or ``PAGODA_NATIVE_ATTENTION=0``.
 """
 
@@ -17,10 +17,11 @@ from torch import Tensor
 
 from .cpu_int4_native import library
 from .fp8_format import FP8_DTYPE, TOKEN_SCALE_DTYPE
+from .int8_format import INT8_DTYPE
 
 ENV_VAR = "PAGODA_NATIVE_ATTENTION"
 # cache modes of the C side
-MODE_F32, MODE_FP8_STATIC, MODE_FP8_TOKEN = 0, 1, 2
+MODE_F32, MODE_FP8_STATIC, MODE_FP8_TOKEN, MODE_INT8_TOKEN = 0, 1, 2, 3
 
 
 def enabled() -> bool:
@@ -41,22 +42,28 @@ def _lib() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pagoda_f32_to_e4m3.restype = None
     lib.pagoda_f32_to_e4m3.argtypes = [ptr, i64, ptr, i32]
+    lib.pagoda_f32_to_int8.restype = None
+    lib.pagoda_f32_to_int8.argtypes = [ptr, i64, ctypes.c_float, ptr, i32]
     lib.pagoda_attention_ready = True
     return lib
 
 
 def _mode(cache: Tensor, scale: Tensor | None) -> int | None:
-    """The C cache mode, or None when the native path does not serve this cache."""
+    """The C cache mode, or None when the native path does not serve this cache: float32; FP8 with
+    static ``[H]`` or page scales; int8 with page scales only (bfloat16, contiguous, shape
+    ``cache.shape[:3]``)."""
     dtype = cache.dtype
     if not cache.is_cpu or not cache.is_contiguous():
         return None
     if dtype is torch.float32:
         return MODE_F32
-    if dtype is not FP8_DTYPE or scale is None:
+    if dtype not in (FP8_DTYPE, INT8_DTYPE) or scale is None or not scale.is_cpu:
         return None
     if scale.dim() == 3:  # per-token page scales, written in place: must be the pool's own tensor
         ok = scale.dtype == TOKEN_SCALE_DTYPE and scale.is_contiguous() and scale.shape == cache.shape[:3]
-        return MODE_FP8_TOKEN if ok else None
+        return None if not ok else MODE_INT8_TOKEN if dtype is INT8_DTYPE else MODE_FP8_TOKEN
+    if dtype is INT8_DTYPE:
+        return None
     return MODE_FP8_STATIC if tuple(scale.shape) == (cache.shape[2],) else None
 
 
@@ -64,7 +71,7 @@ def _scale_arg(mode: int, scale: Tensor | None) -> Tensor | None:
     """The scale tensor the C side reads (static scales as contiguous float32)."""
     if mode == MODE_FP8_STATIC:
         return scale.float().contiguous()
-    return scale if mode == MODE_FP8_TOKEN else None
+    return scale if mode in (MODE_FP8_TOKEN, MODE_INT8_TOKEN) else None
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -192,4 +199,17 @@ def f32_to_e4m3_bits(x: Tensor, scalar: bool = False) -> Tensor | None:
     x = x.float().contiguous().reshape(-1)
     out = torch.empty(x.numel(), dtype=torch.uint8)
     lib.pagoda_f32_to_e4m3(x.data_ptr(), x.numel(), out.data_ptr(), int(scalar))
+    return out
+
+
+def f32_to_int8(x: Tensor, scale: float, scalar: bool = False) -> Tensor | None:
+    """The C int8 quantizer (test hook): float32 ``x`` -> int8 ``round(x / scale)`` clamped to
+    +-127, NaN -> 0, through the vector path (``scalar=False``) or the scalar one; None without the
+    library."""
+    lib = _lib()
+    if lib is None:
+        return None
+    x = x.float().contiguous().reshape(-1)
+    out = torch.empty(x.numel(), dtype=torch.int8)
+    lib.pagoda_f32_to_int8(x.data_ptr(), x.numel(), scale, out.data_ptr(), int(scalar))
     return out

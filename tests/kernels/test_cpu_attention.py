@@ -1,6 +1,7 @@
 """The native CPU paged KV write and decode (kernels/cpu_attention.c): writes byte-equal to the torch
-paths, the e4m3 converter equal to torch's cast, decode within float32 rounding of the reference,
-the torch fallback behind ``PAGODA_NATIVE_ATTENTION=0``, and the engine's greedy output unchanged."""
+paths (FP8 and int8 pages), the e4m3 converter equal to torch's cast and the int8 quantizer to
+``quantize_int8``, decode within float32 rounding of the reference, the torch fallback behind
+``PAGODA_NATIVE_ATTENTION=0``, and the engine's greedy output unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ctypes
 import math
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from pagoda.kernels import cpu_attention_native as native
 from pagoda.kernels import paged_attention as pa
 from pagoda.kernels.cpu_int4_native import library, status
 from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX
+from pagoda.kernels.int8_format import INT8_DTYPE, quantize_int8
 from pagoda.kernels.paged_attention import (
     calibrate_kv_scales,
     empty_page_scales,
@@ -29,7 +32,8 @@ needs_native = pytest.mark.skipif(
 )
 pytestmark = needs_native
 
-KINDS = ["fp8tok", "fp8", "fp32"]  # per-token K + static V (the default pool), static both, float32
+# per-token K + static V (the default pool), static both, float32, int8 (per-token scales both)
+KINDS = ["fp8tok", "fp8", "fp32", "int8"]
 
 
 @pytest.fixture
@@ -40,11 +44,13 @@ def torch_path(monkeypatch):
 
 def _pool(kind: str, num_pages: int, page_size: int, hkv: int, d: int, calib: tuple[torch.Tensor, ...]):
     """Empty caches and scales of one kind (static scales calibrated on ``calib`` K and V)."""
-    dtype = torch.float32 if kind == "fp32" else FP8_DTYPE
+    dtype = {"fp32": torch.float32, "int8": INT8_DTYPE}.get(kind, FP8_DTYPE)
     k = torch.zeros(num_pages, page_size, hkv, d, dtype=dtype)
     v = torch.zeros_like(k)
     if kind == "fp32":
         return k, v, None, None
+    if kind == "int8":
+        return k, v, *(empty_page_scales(num_pages, page_size, hkv, "cpu") for _ in range(2))
     ks, vs = calibrate_kv_scales(*calib)
     if kind == "fp8tok":
         ks = empty_page_scales(num_pages, page_size, hkv, "cpu")
@@ -52,7 +58,7 @@ def _pool(kind: str, num_pages: int, page_size: int, hkv: int, d: int, calib: tu
 
 
 def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.view(torch.uint8) if t.dtype == FP8_DTYPE else t.view(torch.int16)
+    return None if t is None else t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
 
 
 def _hard_values(t: int, h: int, d: int, seed: int) -> torch.Tensor:
@@ -130,6 +136,80 @@ def test_e4m3_converter_matches_torch_cast(scalar):
     assert bad.numel() == 0, f"{bad.numel()} of {x.numel()} differ, e.g. {x[bad[:4]].tolist()}"
 
 
+def _int8_sweep() -> torch.Tensor:
+    """Every 997th float32 bit pattern up to 300 (0.37 * 300 > 127: the clamp), every tie k + 0.5 up
+    to 130.5 and one float32 ulp either side (times 0.37: x / s is then near a tie), NaN, inf, huge
+    values, denormals and -0.0."""
+    dense = torch.arange(0, 0x7F800001, 997, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    dense = dense[dense <= 300.0]
+    ties = torch.arange(0, 131, dtype=torch.float32) + 0.5
+    near = torch.cat([torch.nextafter(ties, torch.tensor(-1.0)), torch.nextafter(ties, torch.tensor(1e9))])
+    edges = torch.tensor([127.0, 127.5, 128.0, 1e30, float("inf"), float("nan"), 1e-45, 1e-40, -0.0])
+    x = torch.cat([dense, ties * 0.37, near * 0.37, ties, edges])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("scale", [0.37, 1.0, 2.0**-20])
+@pytest.mark.parametrize("scalar", [False, True], ids=["vector", "scalar"])
+def test_int8_quantizer_matches_torch(scalar, scale):
+    """round(x / s) half to even, clamped to +-127, NaN -> 0: equal to ``quantize_int8``."""
+    x = _int8_sweep()
+    want = quantize_int8(x, torch.tensor(scale))
+    got = native.f32_to_int8(x, scale, scalar=scalar)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} of {x.numel()} differ, e.g. {x[bad[:4]].tolist()}"
+
+
+def _int8_edge_rows(d: int) -> torch.Tensor:
+    """K/V rows [8, 2, d] at the int8 format's edges (row, head): zeros (0, 0) and -0.0 (0, 1);
+    ties k + 0.5 under a scale of 1 (1, 0) and of 0.5 (1, 1); an amax whose scale is a bfloat16 tie
+    rounding down (2, 0) or up (2, 1); NaN (3, 0) and inf (3, 1); denormals alone (4, 0) and in a row
+    at the scale floor (4, 1); random values after."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(8, 2, d, generator=gen) * 3
+    x[0, 0], x[0, 1] = 0.0, -0.0
+    ties = torch.randint(-127, 127, (2, d), generator=gen).float() + 0.5
+    x[1, 0], x[1, 1] = ties[0], ties[1] * 0.5
+    x[1, 0, 0], x[1, 1, 0] = 127.0, -63.5  # scales exactly 1 and 0.5
+    x[2] = torch.rand(2, d, generator=gen) * 100 - 50
+    x[2, 0, 1], x[2, 1, 2] = 127.0 * (1 + 2**-8), -127.0 * (1 + 3 * 2**-8)
+    x[3, 0, d // 2], x[3, 1, 1] = float("nan"), float("inf")
+    x[4, 0] = 1e-40
+    x[4, 1] = torch.randn(d, generator=gen) * 1e-12
+    x[4, 1, ::3] = -1e-41
+    return x
+
+
+@pytest.mark.parametrize("d", [16, 40])
+def test_int8_write_edges_are_byte_equal_to_reference(d, monkeypatch):
+    """Native, vectorized torch and reference writes give the same bytes on the edge rows."""
+    pages, ps = 6, 4
+    k, v = _int8_edge_rows(d), _int8_edge_rows(d).flip(0)
+    slots = torch.tensor([9, 2, 23, 14, 17, 0, -5, 12])  # row i of K at slots[i]; -5: padding
+    results = []
+    for path in ("native", "cpu", "reference"):
+        monkeypatch.setenv(native.ENV_VAR, "0" if path == "cpu" else "1")
+        kc, vc, ks, vs = _pool("int8", pages, ps, 2, d, ())
+        kc.view(torch.uint8).fill_(0x5A)  # untouched slots must keep their bytes
+        write_kv(kc, vc, k, v, slots, ks, vs, backend="reference" if path == "reference" else "cpu")
+        results.append([_raw(x) for x in (kc, vc, ks, vs)])
+    assert native.native_write_kv(kc, vc, k, v, slots, ks, vs)
+    for other in results[1:]:
+        for got, want in zip(results[0], other, strict=True):
+            assert torch.equal(got, want)
+    codes, scales = kc.view(-1, 2, d), ks.view(-1, 2)
+    floor = torch.tensor(1e-12).bfloat16()
+    assert (codes[9] == 0).all() and (scales[9] == floor).all()  # zero rows: the floor
+    assert scales[2].tolist() == [1.0, 0.5]  # ties k + 0.5 round half to even
+    assert torch.equal(codes[2, 0].float(), k[1, 0].round()) and torch.equal(
+        codes[2, 1].float(), k[1, 1].mul(2).round()
+    )
+    assert scales[23].tolist() == [1.0, 1.0 + 2**-6]  # amax / 127 a bfloat16 tie: to even
+    assert scales[14, 0].isnan() and scales[14, 1] == float("inf") and (codes[14] == 0).all()  # NaN, inf
+    assert (codes[17, 0] == 0).all() and scales[17, 0] == floor  # denormals
+    assert (codes.view(torch.uint8)[[1, 3]] == 0x5A).all()  # never written
+
+
 def _decode_pool(kind: str, lens: list[int], hkv: int, d: int, page_size: int, seed: int):
     """Random K/V for ``lens`` on randomly permuted pages (the reference write), of one kind."""
     pk = make_paged_kv(lens, page_size, hkv, d, torch.float32, seed=seed)
@@ -168,6 +248,34 @@ def test_decode_matches_reference(kind, group, bsz):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
     assert torch.equal(paged_decode_attention(*args, backend="cpu"), out)  # the backend runs it
+
+
+@pytest.mark.parametrize("d", [16, 64, 72])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_int8_decode_matches_reference(group, d):
+    """int8 pages on randomly ordered pages: lengths around a page (0, 1, 15, 16, 17) and past
+    several; D not a multiple of 16 (72); G of 1, 3 and 4."""
+    hkv, lens = 2, [0, 1, 15, 16, 17, 100]
+    pk = _decode_pool("int8", lens, hkv, d, 16, seed=group * d)
+    q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(d))
+    args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, d**-0.5, pk.k_scale, pk.v_scale)
+    out = native.native_paged_decode(*args)
+    assert out is not None
+    ref = paged_decode_attention(*args, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(paged_decode_attention(*args, backend="cpu"), out)
+
+
+def test_int8_without_page_scales_keeps_the_torch_path():
+    """int8 pages with static-like or mistyped scales are not the native path's (None / False)."""
+    kc, vc, ks, vs = _pool("int8", 2, 4, 1, 16, ())
+    q, slots = torch.randn(1, 1, 16), torch.tensor([0])
+    tables, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for bad in (torch.ones(1), ks.float(), ks[:1], None):
+        assert native.native_paged_decode(q, kc, vc, tables, lens, 0.25, bad, vs) is None
+        assert not native.native_write_kv(kc, vc, q, q, slots, ks, bad)
+    assert native.native_paged_decode(q, kc, vc, tables, lens, 0.25, ks, vs) is not None
 
 
 @pytest.mark.parametrize("kind", ["fp8tok", "fp32"])
@@ -226,24 +334,57 @@ def test_bf16_pages_keep_the_torch_path():
     )
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
-def test_scalar_build_matches_the_vector_one(tmp_path, monkeypatch):
-    """The file without AVX-512 (the fallback other CPUs compile) gives the same bytes and scores."""
+def _has_avx512f() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and " avx512f" in cpuinfo.read_text()
+
+
+BUILDS = {  # other CPUs' builds of the file: no AVX-512 at all; AVX-512F without BW/VL (no fast decode)
+    "scalar": [],
+    "avx512f": pytest.param(
+        ["-mavx512f"], marks=pytest.mark.skipif(not _has_avx512f(), reason="no AVX-512F")
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory) -> dict[tuple[str, ...], ctypes.CDLL]:
+    """cpu_attention.c compiled with other flags, once per flag set."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    built: dict[tuple[str, ...], ctypes.CDLL] = {}
     src = pa.__file__.replace("paged_attention.py", "cpu_attention.c")
-    so = tmp_path / "scalar.so"
-    flags = ["-O2", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
-    subprocess.run(["gcc", *flags, src, "-o", str(so)], check=True, capture_output=True, timeout=120)
-    pk = _decode_pool("fp8tok", [33, 1, 0, 18], 3, 24, 16, seed=6)
+    base = ["-O2", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
+
+    def build(extra: list[str]) -> ctypes.CDLL:
+        if tuple(extra) not in built:
+            so = tmp_path_factory.mktemp("build") / "attention.so"
+            cmd = ["gcc", *base, *extra, src, "-o", str(so)]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+            built[tuple(extra)] = ctypes.CDLL(str(so))
+        return built[tuple(extra)]
+
+    return build
+
+
+@pytest.mark.parametrize("flags", list(BUILDS.values()), ids=list(BUILDS))
+@pytest.mark.parametrize("kind", ["fp8tok", "int8"])
+def test_other_builds_match_the_native_one(kind, flags, other_builds, monkeypatch):
+    """The file without AVX-512, or with AVX-512F only (the fallbacks other CPUs compile: the scalar
+    converters, the row-by-row decode_pair), gives the same bytes and scores."""
+    pk = _decode_pool(kind, [33, 1, 0, 18], 3, 24, 16, seed=6)
     q = torch.randn(4, 9, 24)
     args = (q, pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.2, pk.k_scale, pk.v_scale)
-    x = _e4m3_sweep()[::7]
+    x = _e4m3_sweep()[::7] if kind == "fp8tok" else _int8_sweep()[::7]
     k, slots = _hard_values(8, 3, 24, 9), torch.arange(8) * 3
+    k[5, 2, 3] = float("nan")
     outs = []
-    for lib in (library(), ctypes.CDLL(str(so))):
+    for lib in (library(), other_builds(flags)):
         monkeypatch.setattr(native, "library", lambda lib=lib: lib)
-        kc, vc, ks, vs = _pool("fp8tok", 4, 16, 3, 24, (k, k))
+        kc, vc, ks, vs = _pool(kind, 4, 16, 3, 24, (k, k))
         assert native.native_write_kv(kc, vc, k, k, slots, ks, vs)
-        outs.append((native.f32_to_e4m3_bits(x), _raw(kc), _raw(ks), native.native_paged_decode(*args)))
+        conv = native.f32_to_e4m3_bits(x) if kind == "fp8tok" else native.f32_to_int8(x, 0.37)
+        outs.append((conv, _raw(kc), _raw(ks), native.native_paged_decode(*args)))
     (bits, kc, ks, out), (bits_s, kc_s, ks_s, out_s) = outs
     assert torch.equal(bits, bits_s) and torch.equal(kc, kc_s) and torch.equal(ks, ks_s)
     torch.testing.assert_close(out_s, out, rtol=1e-5, atol=1e-5)
