@@ -1,4 +1,4 @@
-"""Kernel micro-benchmarks (``pagoda bench kernels``): INT4/FP8 vs dense GEMM, FP8 vs BF16 KV, and
+"""Kernel micro-benchmarks (``pagoda bench kernels``): INT4/FP8 vs dense GEMM, FP8/INT8 vs BF16 KV, and
 the fused MoE per expert format.
 
 Also home to :func:`kv_scale_granularity_report`, the measurement behind the FP8 KV scale choice.
@@ -22,7 +22,7 @@ from .fp8_format import FP8_DTYPE, FP8_MAX, amax_scale, quantize_fp8
 from .int4 import Int4Weight, pick_group_size, quantize_int4
 from .linear import native_available
 from .moe import fused_moe, make_expert_stack
-from .paged_attention import calibrate_kv_scales, paged_decode_attention, write_kv
+from .paged_attention import calibrate_kv_scales, empty_page_scales, paged_decode_attention, write_kv
 
 # SmolLM2-135M projection shapes (N, K): MLP up/gate and down.
 DEFAULT_GEMMS = ((1536, 576), (576, 1536))
@@ -105,7 +105,8 @@ def bench_decode_attention(
     page_size: int = 16,
     repeat: int = 10,
 ) -> list[dict]:
-    """Paged decode attention with a bf16 vs an fp8 KV cache; times in microseconds."""
+    """Paged decode attention with a bf16, an fp8 (static scales) and an int8 (page scales) KV
+    cache; times in microseconds."""
     gen = torch.Generator().manual_seed(1)
     pages_per_seq = math.ceil(context / page_size)
     rows = []
@@ -120,15 +121,22 @@ def bench_decode_attention(
         ks, vs = calibrate_kv_scales(k, v)
         q = torch.randn(bsz, q_heads, head_dim, generator=gen).to(device=device, dtype=compute_dtype(device))
         row: dict = {"batch": bsz, "context": context, "q_heads": q_heads, "kv_heads": kv_heads}
-        for name, dtype, scales in (("bf16", torch.bfloat16, (None, None)), ("fp8", FP8_DTYPE, (ks, vs))):
-            shape = (total, page_size, kv_heads, head_dim)
+        shape = (total, page_size, kv_heads, head_dim)
+        tok = tuple(empty_page_scales(total, page_size, kv_heads, device) for _ in range(2))
+        kinds = (
+            ("bf16", torch.bfloat16, (None, None)),
+            ("fp8", FP8_DTYPE, (ks, vs)),
+            ("int8", torch.int8, tok),
+        )
+        for name, dtype, scales in kinds:
             kc = torch.zeros(shape, dtype=dtype, device=device)
             vc = torch.zeros(shape, dtype=dtype, device=device)
             write_kv(kc, vc, k, v, slots, *scales)
             call = partial(paged_decode_attention, q, kc, vc, tables, lens, head_dim**-0.5, *scales)
             row[f"{name}_us"] = _time(call, device, repeat)
-            row[f"{name}_kv_bytes"] = kc.nbytes + vc.nbytes
+            row[f"{name}_kv_bytes"] = kc.nbytes + vc.nbytes  # pages only
         row["fp8_speedup"] = row["bf16_us"] / row["fp8_us"]
+        row["int8_speedup"] = row["bf16_us"] / row["int8_us"]
         rows.append(row)
     return rows
 
