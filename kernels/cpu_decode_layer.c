@@ -1,6 +1,6 @@
 /* One decoder layer's decode step in one call, for CPUs: the float32 path of a Llama-family layer
- * whose four projections are INT4 (the exact float32 kernel of cpu_int4.c) over float32 or FP8 KV
- * pages (cpu_attention.c). Per call, for T tokens (one per sequence):
+ * whose four projections are INT4 (the exact float32 kernel of cpu_int4.c) over float32, FP8 or int8
+ * KV pages (cpu_attention.c). Per call, for T tokens (one per sequence):
  *
  *   h = rmsnorm(x) * w_in;  qkv = h @ Wqkv^T (+ bias);  (q, k = per-head rmsnorm);
  *   q, k = rope(q, k);  pages[slots] = k, v;
