@@ -391,10 +391,13 @@ def test_other_builds_match_the_native_one(kind, flags, other_builds, monkeypatc
 
 
 @pytest.mark.slow
-def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch):
-    """Default formats (FP8 per-token K pages in decode): the same tokens with the native path on
-    and off. The whole-layer native decode (``PAGODA_NATIVE_DECODE``), where present, would run
-    decode attention itself: it is off here so that these kernels serve the decode steps."""
+@pytest.mark.parametrize(
+    "decode_kv,dtype", [("fp8_e4m3", FP8_DTYPE), ("int8", INT8_DTYPE)], ids=["fp8", "int8"]
+)
+def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch, decode_kv, dtype):
+    """FP8 (per-token K) or int8 pages in decode: the same tokens with the native path on and off.
+    The whole-layer native decode (``PAGODA_NATIVE_DECODE``), where present, would run decode
+    attention itself: it is off here so that these kernels serve the decode steps."""
     from pagoda.node_agent.engine.config import PhaseFormats
     from pagoda.node_agent.engine.sequence import SamplingParams
 
@@ -404,11 +407,11 @@ def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch):
 
     def spy(*args):
         out = real(*args)
-        served.append(out is not None and args[1].dtype == FP8_DTYPE)
+        served.append(out is not None and args[1].dtype == dtype)
         return out
 
     monkeypatch.setattr(pa, "native_paged_decode", spy)
-    engine = make_engine(formats=PhaseFormats(), enable_prefix_caching=False)
+    engine = make_engine(formats=PhaseFormats(decode_kv=decode_kv), enable_prefix_caching=False)
     prompts = ["The quick brown fox", "In 1969, the first humans landed on", "def add(a, b):\n    "]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     runs = []
@@ -423,6 +426,6 @@ def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch):
             runs.append([final[r].token_ids for r in rids])
     finally:
         torch.set_num_threads(threads)
-    assert served and all(served)  # the native decode ran every decode step over the FP8 pool
+    assert served and all(served)  # the native decode ran every decode step over the 1-byte pool
     assert all(len(t) == 16 for t in runs[1])
     assert runs[0] == runs[1]
