@@ -3,7 +3,8 @@
 Per token and layer the cache holds one shared "head": the compressed latent ``c`` [R] (after
 kv_a_layernorm) in ``latent_cache`` [num_pages, page_size, 1, R] and the rope key ``k_r`` [Dr]
 (after RoPE) in ``rope_cache`` [num_pages, page_size, 1, Dr], float32 / bfloat16 / float8_e4m3fn
-(FP8 with a static float32 scale ``[1]`` per cache). The caller folds W_UK into the query
+(FP8 with a static float32 scale ``[1]`` per cache) / int8 (per-token page scales
+``[num_pages, page_size, 1]``, as ``paged_attention``'s). The caller folds W_UK into the query
 (``q_lat = q_nope @ W_UK`` per head) so that
 
     score(h, j) = scale * (q_lat[h] . c_j + q_rope[h] . k_r_j)
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from .dispatch import resolve
 from .fp8_format import raw_bytes
-from .paged_attention import _check_cache, _decode, _gather_seq
+from .paged_attention import _check_cache, _decode, _gather_seq, is_page_scale
 
 
 def _attend(q_lat: Tensor, q_rope: Tensor, c: Tensor, kr: Tensor, scale: float, offset: int) -> Tensor:
@@ -106,7 +107,10 @@ _CHUNK_BYTES = 1 << 20
 
 
 def _gather_pages(cache: Tensor, pages: Tensor, scale: Tensor | None) -> Tensor:
-    """Whole pages -> float32 (through a byte view: fp8 lacks some indexing ops on the CPU)."""
+    """Whole pages -> float32 (through a byte view: fp8 lacks some indexing ops on the CPU); page
+    scales are gathered with their pages."""
+    if is_page_scale(scale):
+        scale = scale.index_select(0, pages)
     return _decode(raw_bytes(cache).index_select(0, pages).view(cache.dtype), scale)
 
 
