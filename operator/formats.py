@@ -90,9 +90,9 @@ def check(spec: Spec) -> list[Problem]:
         problems.append(
             Problem(
                 "IncompatibleHandoff",
-                f"prefill KV {handoff[0]} cannot hand off to a {handoff[1]} decode cache: the decode pool "
-                "would store upcast FP8 values at twice the memory; use bf16->bf16, bf16->fp8_e4m3 "
-                "or fp8_e4m3->fp8_e4m3",
+                f"prefill KV {handoff[0]} cannot hand off to a {handoff[1]} decode cache: 1-byte pages "
+                "never widen to bf16 (twice the memory for lossy values) nor change to the other 1-byte "
+                "format (a second rounding); use bf16 prefill KV, or the decode format for both",
             )
         )
     for name in POOLS:

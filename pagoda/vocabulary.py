@@ -6,7 +6,7 @@ Pure Python (no torch): the operator image imports it without the engine's depen
 from __future__ import annotations
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int4")  # per-phase linear weight formats
-KV_CACHE_FORMATS = ("bf16", "fp8_e4m3")  # per-phase KV page formats
+KV_CACHE_FORMATS = ("bf16", "fp8_e4m3", "int8")  # per-phase KV page formats
 INTEGRITY_MODES = ("enforce", "audit", "off")
 PHASES = ("prefill", "decode")  # also the operator's pool names
 ENGINE_ROLES = ("both", "prefill", "decode")  # which phases one engine process runs
@@ -15,12 +15,15 @@ SERVE_ROLES = (*ENGINE_ROLES, "router")  # `pagoda serve --role`
 # Default formats per phase: compute-bound prefill keeps precision, memory-bound decode packs.
 PHASE_DEFAULTS = {
     "prefill": {"weights": "fp8", "kv": "bf16"},
-    "decode": {"weights": "int4", "kv": "fp8_e4m3"},
+    "decode": {"weights": "int4", "kv": "int8"},
 }
 
-# A prefill KV format may hand off to these decode KV formats (converted on arrival). FP8 prefill
-# pages never widen to a BF16 decode cache: that would store lossy values at twice the memory.
-HANDOFFS = frozenset({("bf16", "bf16"), ("bf16", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3")})
+# A prefill KV format may hand off to these decode KV formats (converted on arrival). 1-byte prefill
+# pages never widen to a BF16 decode cache (that would store lossy values at twice the memory), nor
+# move between the two 1-byte formats (a second rounding).
+HANDOFFS = frozenset(
+    {("bf16", "bf16"), ("bf16", "fp8_e4m3"), ("bf16", "int8"), ("fp8_e4m3", "fp8_e4m3"), ("int8", "int8")}
+)
 
 # Short spellings accepted on the command line for a KV format.
 KV_FORMAT_ALIASES = {"fp8": "fp8_e4m3"}

@@ -70,7 +70,7 @@ EVAL_PROMPTS = [
     "What should I pack for a rainy day hike?",
 ]
 
-DEFAULT_FORMATS = "bf16/bf16,bf16/fp8,int4/bf16,int4/fp8,fp8/bf16"
+DEFAULT_FORMATS = "bf16/bf16,bf16/fp8,bf16/int8,int4/bf16,int4/fp8,int4/int8,fp8/bf16"
 
 
 @dataclass

@@ -37,7 +37,7 @@ from pagoda.node_agent.bench.common import (
 from pagoda.node_agent.bench.decode import run_pagoda_decode
 from pagoda.node_agent.bench.stepping import run_steps
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import TOKEN_SCALE_BYTES, KVPagePool
+from pagoda.node_agent.engine.kv_pool import TOKEN_SCALE_BYTES, KVPagePool, storage_dtype
 from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
@@ -60,13 +60,14 @@ def refuse_parallel(cfg: EngineConfig) -> None:
 
 
 def kv_capacity(cfg, budget: int, page_size: int, kv_format: str, granularity: str = "per-token-k") -> dict:
-    """Exact capacity of a KV pool of ``budget`` bytes (tags and FP8 scales, static or per token by
-    ``granularity``, included), with bf16 as a true 2-byte type whatever the compute dtype.
+    """Exact capacity of a KV pool of ``budget`` bytes (tags and scales, static or per token by
+    ``granularity`` and the format, included), with bf16 as a true 2-byte type whatever the compute
+    dtype.
     Per-layer figures follow ``kv_components(cfg)`` (K and V per KV head, or whatever components the
     model's attention stores, e.g. an MLA latent); ``bytes_per_token_per_layer`` counts values only."""
-    dt = TRUE_BF16 if kv_format == "bf16" else torch.float8_e4m3fn
+    dt = storage_dtype(kv_format, TRUE_BF16)
     comps = kv_components(cfg)
-    scaled = token_scaled_components(granularity, comps) if kv_format != "bf16" else ()
+    scaled = token_scaled_components(kv_format, granularity, comps)
     pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt, scaled)
     per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt, scaled)
     elem = torch.empty((), dtype=dt).element_size()
@@ -96,7 +97,7 @@ def model_config_of(source: str):
 
 
 def bench_kv_capacity(cfg: EngineConfig, log: Log = echo) -> dict:
-    """``bench kv --capacity-only``: bf16 vs fp8_e4m3 per-token bytes and capacity under the budget
+    """``bench kv --capacity-only``: bf16 vs fp8_e4m3 vs int8 per-token bytes and capacity under the budget
     (default 64 MiB) from the model's config alone: no weights loaded, no decode run."""
     mc = model_config_of(cfg.model)
     budget, ps = cfg.kv_memory or DEFAULT_KV_BUDGET, cfg.page_size
@@ -126,6 +127,7 @@ def bench_kv_capacity(cfg: EngineConfig, log: Log = echo) -> dict:
         "capacity_tokens": {f: caps[f]["tokens"] for f in KV_CACHE_FORMATS},
         "capacity": caps,
         "capacity_ratio_fp8_vs_bf16": caps["fp8_e4m3"]["tokens"] / max(1, caps["bf16"]["tokens"]),
+        "capacity_ratio_int8_vs_bf16": caps["int8"]["tokens"] / max(1, caps["bf16"]["tokens"]),
     }
 
 
@@ -169,9 +171,10 @@ def bench_kv(
     log: Log = echo,
     repeats: int = 3,
 ) -> dict:
-    """bf16 vs fp8_e4m3 KV under the budget ``cfg.kv_memory`` (default 64 MiB); the JSON-ready result.
+    """bf16 vs fp8_e4m3 vs int8 KV under the budget ``cfg.kv_memory`` (default 64 MiB); the JSON-ready
+    result.
 
-    ``pages_per_seq`` defaults to filling 85% of the fp8 pool at the top concurrency; ``repeats``
+    ``pages_per_seq`` defaults to filling 85% of the smaller 1-byte pool at the top concurrency; ``repeats``
     timed runs per (format, concurrency), interleaved."""
     set_threads(threads)
     refuse_parallel(cfg)
@@ -180,17 +183,25 @@ def bench_kv(
     probe = make(formats=PhaseFormats.reference(), kv_memory=1 << 20)
     mc, ps = probe.model_config, cfg.page_size
     caps = {f: kv_capacity(mc, budget, ps, f, cfg.kv_scale_granularity) for f in KV_CACHE_FORMATS}
-    # the design default: a bf16 prefill pool (prefill_kv_fraction of the budget) + an fp8 decode pool
-    frac = EngineConfig().prefill_kv_fraction
-    split_decode = kv_capacity(mc, budget - int(budget * frac), ps, "fp8_e4m3", cfg.kv_scale_granularity)
+    # the design default: a bf16 prefill pool (prefill_kv_fraction of the budget) + a 1-byte decode pool
+    default = EngineConfig()
+    split_decode = kv_capacity(
+        mc,
+        budget - int(budget * default.prefill_kv_fraction),
+        ps,
+        default.formats.decode_kv,
+        cfg.kv_scale_granularity,
+    )
     cmax = max(concurrency)
-    pages_per_seq = pages_per_seq or max(1, int(0.85 * caps["fp8_e4m3"]["pages"] / cmax))
+    small = min(caps["fp8_e4m3"]["pages"], caps["int8"]["pages"])
+    pages_per_seq = pages_per_seq or max(1, int(0.85 * small / cmax))
     seq_tokens = pages_per_seq * ps
     max_tokens = min(max_tokens, seq_tokens // 2)
     prompt_tokens = seq_tokens - max_tokens
     for f in KV_CACHE_FORMATS:
         caps[f]["max_seqs"] = caps[f]["pages"] // pages_per_seq
     ratio = caps["fp8_e4m3"]["tokens"] / caps["bf16"]["tokens"]
+    ratio8 = caps["int8"]["tokens"] / caps["bf16"]["tokens"]
     log(f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens, {seq_tokens} tokens per sequence")
     comps = ", ".join(f"{n} {tuple(s)}" for n, s in kv_components(mc).items())
     log(f"  per token and layer: {comps} x {mc.num_layers} layers")
@@ -201,7 +212,8 @@ def bench_kv(
             f"{c['pages']:>6} pages {c['tokens']:>8} tokens  max {c['max_seqs']} sequences"
         )
     log(
-        f"  fp8/bf16 capacity: {ratio:.3f}x (split bf16 prefill + fp8 decode: {split_decode['tokens']} decode tokens)"
+        f"  capacity over bf16: fp8 {ratio:.3f}x, int8 {ratio8:.3f}x (split bf16 prefill + "
+        f"{default.formats.decode_kv} decode: {split_decode['tokens']} decode tokens)"
     )
     engines = {}
     for f in KV_CACHE_FORMATS:
@@ -209,7 +221,7 @@ def bench_kv(
         # 2-byte bf16 pool holds in the budget, so both engines hold what the budget buys
         dt = probe.dtype
         per_page = KVPagePool.bytes_per_page(mc.num_layers, ps, kv_components(mc), dt)
-        mem = budget if (f == "fp8_e4m3" or dt == TRUE_BF16) else caps[f]["pages"] * per_page
+        mem = budget if (f != "bf16" or dt == TRUE_BF16) else caps[f]["pages"] * per_page
         kv = PhaseFormats("bf16", f, "bf16", f)
         engines[f] = make(formats=kv, kv_memory=mem, max_num_seqs=max(cmax, 1))
         assert engines[f].pool.num_pages == caps[f]["pages"], (f, engines[f].pool.num_pages)
@@ -251,11 +263,14 @@ def bench_kv(
                 f"{r['preemptions']:>9}{r['peak_running']:>6}"
             )
     ratio_rows = {
-        f"c{c}": paired_ratio(
-            [x["decode_tok_s"] for x in runs[f"fp8_e4m3 c{c}"]],
-            [x["decode_tok_s"] for x in runs[f"bf16 c{c}"]],
-        )
-        for c in concurrency
+        f: {
+            f"c{c}": paired_ratio(
+                [x["decode_tok_s"] for x in runs[f"{f} c{c}"]],
+                [x["decode_tok_s"] for x in runs[f"bf16 c{c}"]],
+            )
+            for c in concurrency
+        }
+        for f in ("fp8_e4m3", "int8")
     }
     return {
         "bench": "kv",
@@ -264,7 +279,7 @@ def bench_kv(
         "dtype": str(engines["bf16"].dtype),
         "repeats": repeats,
         "method": "pure decode steps only (prefill and recompute outside the window); warm-up, then "
-        "repeats interleaved bf16/fp8 per concurrency; median, min, max; ratio paired per repeat",
+        "repeats interleaved bf16/fp8/int8 per concurrency; median, min, max; ratio paired per repeat",
         "kv_budget_bytes": budget,
         "page_size": ps,
         "prompt_tokens": prompt_tokens,
@@ -275,9 +290,11 @@ def bench_kv(
         "bytes_per_token_per_layer": {f: caps[f]["bytes_per_token_per_layer"] for f in KV_CACHE_FORMATS},
         "capacity": caps,
         "capacity_ratio_fp8_vs_bf16": ratio,
+        "capacity_ratio_int8_vs_bf16": ratio8,
         "split_default_decode_capacity_tokens": split_decode["tokens"],
         "rows": rows,
-        "decode_ratio_fp8_vs_bf16": ratio_rows,
+        "decode_ratio_fp8_vs_bf16": ratio_rows["fp8_e4m3"],
+        "decode_ratio_int8_vs_bf16": ratio_rows["int8"],
     }
 
 

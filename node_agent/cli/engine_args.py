@@ -30,9 +30,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
-    p.add_argument("--prefill-kv", choices=KV_CACHE_FORMATS, default=None)
+    p.add_argument(
+        "--prefill-kv", choices=KV_CACHE_FORMATS, default=None, help="prefill KV pages (default bf16)"
+    )
     p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
-    p.add_argument("--decode-kv", choices=KV_CACHE_FORMATS, default=None)
+    p.add_argument(
+        "--decode-kv",
+        choices=KV_CACHE_FORMATS,
+        default=None,
+        help="decode KV pages: int8 (default; K and V int8 with a scale per token and head), fp8_e4m3 "
+        "or bf16",
+    )
     p.add_argument("--kv-memory", default=None, help="KV cache budget, e.g. 512MiB (default: 1GiB on CPU)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.9, help="of free GPU memory (CUDA)")
     p.add_argument("--page-size", type=int, default=16)
@@ -77,8 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-scale-granularity",
         choices=KV_SCALE_GRANULARITIES,
         default="per-token-k",
-        help="FP8 KV scales: per-token-k (K per token and head, V static per head), per-head or "
-        "per-tensor (static, calibrated at load)",
+        help="fp8_e4m3 KV scales: per-token-k (K per token and head, V static per head), per-head or "
+        "per-tensor (static, calibrated at load); int8 KV always scales per token and head",
     )
     add_parallel_args(p)
 

@@ -65,8 +65,9 @@ class PhaseFormats:
                 )
         if not handoff_allowed(self.prefill_kv, self.decode_kv):
             raise ConfigError(
-                "prefill-kv fp8_e4m3 with decode-kv bf16 would widen lossy FP8 pages at "
-                "handoff: use fp8_e4m3 for both, or bf16 prefill KV"
+                f"prefill-kv {self.prefill_kv} cannot hand off to decode-kv {self.decode_kv}: 1-byte "
+                "pages never widen to bf16 nor change to the other 1-byte format (a second rounding); "
+                f"use {self.prefill_kv} for both, or bf16 prefill KV"
             )
 
     def as_dict(self) -> dict[str, str]:
@@ -135,6 +136,7 @@ class ParallelConfig:
 
 
 # FP8 KV scales: K per token and head (V static per head), static per head, or one static per tensor
+# (int8 KV pages always scale K and V per token and head)
 KV_SCALE_GRANULARITIES = ("per-token-k", "per-head", "per-tensor")
 # The decode phase's LM head: auto (int8 where that holds it exactly on a CPU, else dense), or as named
 DECODE_LM_HEADS = ("auto", "dense", "int8", "int4")

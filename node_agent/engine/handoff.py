@@ -132,6 +132,7 @@ MAX_REQUEST_ID_CHARS = 256
 PAYLOAD_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "bf16": (torch.bfloat16, torch.float32),
     "fp8_e4m3": (torch.float8_e4m3fn,),
+    "int8": (torch.int8,),
 }
 # Sequences sample with a CPU generator on every device (sequence.py): its state is what a payload carries.
 GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
@@ -150,6 +151,7 @@ def check_request_id(rid: object, what: str = "request id") -> str:
 def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_model_len: int) -> int:
     """Raise RequestError (naming the field) unless ``payload`` can go into ``pool`` as it is: every
     field, tensor dtype and shape is checked before anything is allocated. Returns its page count.
+    (int8 pages need per-token scales for every component.)
 
     Accepted pages: a ``kv_format`` that may hand off to the pool's (vocabulary.HANDOFFS); per layer
     exactly the pool's components, each a dense ``[num_pages, page_size, *shape]`` tensor on the CPU
@@ -188,7 +190,7 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
         raise RequestError(f"KV payload page_size {payload.page_size!r} != this worker's {ps}")
     num_pages = -(-len(ids) // ps)
     dtype = _check_layers(payload, pool, num_pages)
-    static = _check_page_scales(payload, pool, num_pages, dtype == torch.float8_e4m3fn)
+    static = _check_page_scales(payload, pool, num_pages, dtype)
     _check_scales(payload.scales, pool, static)
     _check_generator_state(payload.generator_state)
     meta = payload.meta
@@ -241,13 +243,20 @@ def _check_tensor(t: object, where: str, pool: KVPagePool) -> None:
         raise RequestError(f"{where}: tensor on {t.device}, expected the CPU or {pool.device.type}")
 
 
-def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, fp8: bool) -> list[str]:
-    """Per-token scales beside FP8 pages: the same components in every layer, each bfloat16
-    ``[num_pages, page_size, heads]``, finite and non-negative. Returns the components that need
-    static scales instead (all of them for FP8 pages without page scales; none for other pages)."""
+def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, dtype: torch.dtype) -> list[str]:
+    """Per-token scales beside FP8 or int8 pages: the same components in every layer (all of them
+    for int8), each bfloat16 ``[num_pages, page_size, heads]``, finite and non-negative. Returns the
+    components that need static scales instead (FP8 components without page scales; none for
+    other pages)."""
+    fp8 = dtype == torch.float8_e4m3fn
     first = {c for c in payload.layers[0] if is_page_scale_key(c)}
-    if first and not fp8:
-        raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8")
+    if first and not (fp8 or dtype == torch.int8):
+        raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8 or int8")
+    if dtype == torch.int8 and first != {page_scale_key(c) for c in pool.replica_components}:
+        raise RequestError(
+            "KV payload layers[0]: int8 pages need per-token scales for every component "
+            f"({sorted(pool.replica_components)}), got {sorted(map(str, first))[:4]}"
+        )
     for li, layer in enumerate(payload.layers):
         keys = {c for c in layer if is_page_scale_key(c)}
         if keys != first or not keys <= {page_scale_key(c) for c in pool.replica_components}:

@@ -7,7 +7,7 @@ a per-token shape, ``{"k": (Hkv, D), "v": (Hkv, D)}`` for GQA models, ``{"latent
 component, either a static float32 scale per head or (the ``token_scaled`` components) a bfloat16
 scale per token and head stored beside the pages: ``layers[l]["k.scale"]`` ``[num_pages,
 page_size, heads]``, part of the page like its values, so it moves, hands off and is checksummed
-with it. Every allocation bumps the page's generation tag; block tables keep ``(page,
+with it. INT8 pools scale every component that way. Every allocation bumps the page's generation tag; block tables keep ``(page,
 expected_tag)`` so a stale mapping is detectable before a read.
 """
 
@@ -21,13 +21,13 @@ import torch
 
 from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
 from pagoda.kernels.integrity import next_tag
-from pagoda.kernels.paged_attention import empty_page_scales
+from pagoda.kernels.paged_attention import SCALED_DTYPES, empty_page_scales
 from pagoda.vocabulary import KV_CACHE_FORMATS
 
 log = logging.getLogger("pagoda.kv")
 
 # element dtype per KV format name (None: the compute dtype); fp32 only for calibration scratch pools
-KV_FORMATS = {"bf16": None, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+KV_FORMATS = {"bf16": None, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 TAG_BYTES = 4  # int32 generation tag per page
 PAGE_SCALE_SUFFIX = ".scale"  # layers[l][component + suffix]: per-token FP8 scales beside the pages
 TOKEN_SCALE_BYTES = torch.empty((), dtype=TOKEN_SCALE_DTYPE).element_size()
@@ -79,9 +79,10 @@ class KVPagePool:
     ) -> None:
         if num_pages < 1:
             raise ValueError("the KV budget holds no page; raise the KV memory budget")
-        fp8 = dtype == torch.float8_e4m3fn
         if not set(token_scaled) <= set(components):
             raise ValueError(f"token_scaled {token_scaled} names no component of {sorted(components)}")
+        if dtype == torch.int8 and set(token_scaled) != set(components):
+            raise ValueError(f"int8 pages scale every component per token, got token_scaled {token_scaled}")
         self.name = name
         self.kv_format = kv_format
         self.num_layers = num_layers
@@ -102,7 +103,7 @@ class KVPagePool:
         ]
         # FP8 pages dequantize with static scales per layer and head, set by calibration, or (the
         # token_scaled components) with per-token scales written beside the pages with the values.
-        self.token_scaled = tuple(token_scaled) if fp8 else ()
+        self.token_scaled = tuple(token_scaled) if dtype in SCALED_DTYPES else ()
         for layer in self.layers:
             for c in self.token_scaled:
                 layer[page_scale_key(c)] = empty_page_scales(
@@ -111,7 +112,7 @@ class KVPagePool:
         # static_scales: the calibrated ones only; scales: what the model reads, static or per page
         self.static_scales: list[dict[str, torch.Tensor]] | None = None
         self.scales: list[dict[str, torch.Tensor]] | None = None
-        if fp8:
+        if dtype in SCALED_DTYPES:
             self.static_scales = [
                 {
                     c: torch.ones(shape[0], dtype=torch.float32, device=self.device)
@@ -146,10 +147,10 @@ class KVPagePool:
         dtype: torch.dtype,
         token_scaled: tuple[str, ...] = (),
     ) -> int:
-        """Bytes one page costs across all layers: values, per-token FP8 scales and its tag."""
+        """Bytes one page costs across all layers: values, per-token scales and its tag."""
         elem = torch.empty((), dtype=dtype).element_size()
         per_token = sum(int(torch.Size(s).numel()) for s in components.values()) * elem
-        if dtype == torch.float8_e4m3fn:
+        if dtype in SCALED_DTYPES:
             per_token += sum(components[c][0] for c in token_scaled) * TOKEN_SCALE_BYTES
         return num_layers * page_size * per_token + TAG_BYTES
 
@@ -165,7 +166,7 @@ class KVPagePool:
     ) -> int:
         """How many pages fit a byte budget, scales (static per layer and head, or per token) included."""
         scale_bytes = 0
-        if dtype == torch.float8_e4m3fn:
+        if dtype in SCALED_DTYPES:
             static = [s for c, s in components.items() if c not in token_scaled]
             scale_bytes = num_layers * sum(s[0] for s in static) * 4
         per_page = cls.bytes_per_page(num_layers, page_size, components, dtype, token_scaled)

@@ -30,9 +30,16 @@ def kv_components(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
 
-def token_scaled_components(granularity: str, components: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """The components whose FP8 scales are per token: K under "per-token-k" (a GQA model's "k";
-    MLA's latent and rope key keep their static per-layer scales), none otherwise."""
+def token_scaled_components(
+    kv_format: str, granularity: str, components: dict[str, tuple[int, ...]]
+) -> tuple[str, ...]:
+    """The components whose scales are per token: all of them in int8 pages; in fp8_e4m3 pages K
+    under "per-token-k" (a GQA model's "k"; MLA's latent and rope key keep their static per-layer
+    scales), none otherwise."""
+    if kv_format == "int8":
+        return tuple(components)
+    if kv_format != "fp8_e4m3":
+        return ()
     return ("k",) if granularity == "per-token-k" and "k" in components else ()
 
 
@@ -47,7 +54,8 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 class PoolBuilder:
-    """Builds a worker's KV pools for one model, dtype and device; FP8 pools are calibrated."""
+    """Builds a worker's KV pools for one model, dtype and device; FP8 pools with static scales are
+    calibrated."""
 
     def __init__(
         self,
@@ -100,7 +108,7 @@ class PoolBuilder:
         """As many pages of ``kv_format`` as ``budget`` bytes hold (scales calibrated for FP8)."""
         dt = storage_dtype(kv_format, self.dtype)
         n = self.model_config.num_layers
-        tok = token_scaled_components(self.config.kv_scale_granularity, self.components)
+        tok = token_scaled_components(kv_format, self.config.kv_scale_granularity, self.components)
         pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.sizing, dt, tok)
         check_pool_fits(
             name=name,

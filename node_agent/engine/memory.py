@@ -189,6 +189,6 @@ def check_pool_fits(
     if must_hold_sequence:
         raise ConfigError(
             f"{msg}: raise the KV budget (--kv-memory / --kv-memory-fraction), lower --max-model-len to "
-            f"at most {tokens}, or use fp8_e4m3 KV"
+            f"at most {tokens}, or use 1-byte KV (int8 or fp8_e4m3)"
         )
     log.warning("%s: a request needing more than %d tokens is refused", msg, tokens)

@@ -312,7 +312,14 @@ def _tensor_list(layers, scales) -> list[torch.Tensor]:
 
 
 # the element types a page transfer may carry, by wire code
-WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+WIRE_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+)
 LAYOUT_LEN = 20  # int64s: [keys, scale keys, (name, dtype) per key, (name, dtype) per scale key]
 
 

@@ -19,12 +19,19 @@ from pagoda.vocabulary import handoff_allowed
 
 # (kv_format, page dtype) pairs a prefill worker may send: "bf16" pages follow the prefill
 # worker's compute dtype (bfloat16, or float32 with --dtype float32), "fp8_e4m3" pages carry scales
+# (static or per token), "int8" pages per-token scales for every component
 ALLOWED_FORMATS: frozenset[tuple[str, str]] = frozenset(
-    {("bf16", "bfloat16"), ("bf16", "float32"), ("fp8_e4m3", "float8_e4m3fn")}
+    {("bf16", "bfloat16"), ("bf16", "float32"), ("fp8_e4m3", "float8_e4m3fn"), ("int8", "int8")}
 )
 FP8 = "float8_e4m3fn"
-_ELEM = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3fn": torch.float8_e4m3fn}
+INT8 = "int8"
+_ELEM = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 HEADER_KEYS = frozenset(
     {
         "ticket",
@@ -44,8 +51,9 @@ HEADER_KEYS = frozenset(
         "num_cached_tokens",
     }
 )
-# Optional: the components whose FP8 scales are per token (bfloat16 [page_size, heads] per page and
+# Optional: the components whose scales are per token (bfloat16 [page_size, heads] per page and
 # layer, sent inside each PAGE frame after the values); absent or [] when every scale is static.
+# int8 pages must name every component.
 OPTIONAL_HEADER_KEYS = frozenset({"page_scales"})
 PAGE_SCALE_ELEM = 2  # bfloat16
 MAX_ID_CHARS = 256  # ticket and request id
@@ -128,7 +136,10 @@ class KVLimits:
 
     @property
     def max_frame(self) -> int:
-        pages = max(self.page_bytes(dt, self.components if dt == FP8 else ()) for _, dt in self.formats) + 4
+        pages = (
+            max(self.page_bytes(dt, self.components if dt in (FP8, INT8) else ()) for _, dt in self.formats)
+            + 4
+        )
         return max(self.max_header_bytes, pages, self.scales_bytes, self.generator_state_len)
 
 
@@ -185,8 +196,10 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
     for c in limits.components:
         _shape(shapes[c], limits.page_shape(c), f"page_shape[{c}]")
     page_scales = header_page_scales(h, limits)
-    if page_scales and dtype != FP8:
-        raise HeaderError("KV header: page_scales are for float8 pages only")
+    if page_scales and dtype not in (FP8, INT8):
+        raise HeaderError("KV header: page_scales are for float8 and int8 pages only")
+    if dtype == INT8 and page_scales != limits.components:
+        raise HeaderError(f"KV header: int8 pages need page_scales for every component {limits.components}")
     static = [c for c in limits.components if c not in page_scales] if dtype == FP8 else []
     has_scales = h["has_scales"]
     if type(has_scales) is not bool or has_scales != bool(static):

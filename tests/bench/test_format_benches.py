@@ -21,17 +21,19 @@ def test_bench_kv_times_pure_decode_steps(no_reload, tmp_path) -> None:
     check_environment(res, "kv", threads=1)
     assert res["repeats"] == 2 and "pure decode steps" in res["method"]
     rows = {(r["kv"], r["concurrency"]): r for r in res["rows"]}
-    assert set(rows) == {(k, c) for k in ("bf16", "fp8_e4m3") for c in (1, 8)}
+    assert set(rows) == {(k, c) for k in ("bf16", "fp8_e4m3", "int8") for c in (1, 8)}
     for r in rows.values():
         check_spread(r, "decode_tok_s", 2)
         assert r["decode_tok_s"] > 0 and r["window_steps"] >= 1
         assert isinstance(r["preemptions"], int) and isinstance(r["peak_running"], int)
-    # fp8 holds all 8 and decodes them together; bf16 cannot hold them at once
-    assert rows["fp8_e4m3", 8]["peak_running"] == 8 and rows["fp8_e4m3", 8]["window_mean_batch"] == 8
+    # fp8 and int8 hold all 8 and decode them together; bf16 cannot hold them at once
+    for f in ("fp8_e4m3", "int8"):
+        assert rows[f, 8]["peak_running"] == 8 and rows[f, 8]["window_mean_batch"] == 8
     assert rows["bf16", 8]["peak_running"] < 8
     for c in ("c1", "c8"):
         check_ratio(res["decode_ratio_fp8_vs_bf16"][c], 2)
-    assert res["capacity_ratio_fp8_vs_bf16"] >= 1.95
+        check_ratio(res["decode_ratio_int8_vs_bf16"][c], 2)
+    assert res["capacity_ratio_fp8_vs_bf16"] >= 1.95 and res["capacity_ratio_int8_vs_bf16"] >= 1.93
     check_png(out)
 
 

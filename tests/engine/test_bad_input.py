@@ -92,7 +92,7 @@ def test_hf_dir_problems(tmp_path):
     [
         ({"formats": PhaseFormats("bf16", "bf16", "int3", "bf16")}, "decode-weights must be one of"),
         ({"formats": PhaseFormats("bf16", "fp8_e5m2", "bf16", "bf16")}, "prefill-kv must be one of"),
-        ({"formats": PhaseFormats("bf16", "fp8_e4m3", "bf16", "bf16")}, "widen lossy FP8"),
+        ({"formats": PhaseFormats("bf16", "fp8_e4m3", "bf16", "bf16")}, "cannot hand off to decode-kv bf16"),
         ({"integrity": "sometimes"}, "integrity must be one of"),
         ({"page_size": 12}, "power of two"),
         ({"dtype": "float16"}, "dtype must be"),

@@ -123,3 +123,43 @@ def test_page_scale_checks_name_the_field():
         check(bad)
     with pytest.raises(RequestError, match=r"scales\[0\]: components"):
         check(scales=[{**s, "k": torch.ones(2)} for s in scales])
+
+
+def int8_pool(pages=6) -> KVPagePool:
+    return KVPagePool(LAYERS, pages, PAGE, COMPS, torch.int8, kv_format="int8", token_scaled=("k", "v"))
+
+
+def test_int8_pages_migrate_hand_off_and_are_checked():
+    """bf16 -> int8 -> int8 (bytes and scale rows copied) -> bf16; the payload of int8 pages passes
+    the checks, and one without a component's page scales, or into an fp8 pool, is refused."""
+    src, refs = filled_bf16()
+    want = {c: dequant(src, refs, 1, c) for c in ("k", "v")}
+    a = int8_pool()
+    a_refs = handoff.migrate(src, a, refs)
+    for c in ("k", "v"):  # within half an int8 step of each token's amax / 127
+        got, step = dequant(a, a_refs, 1, c), want[c].abs().amax(-1, keepdim=True) / 127
+        assert ((got - want[c]).abs() <= 0.51 * step + 1e-6).all(), c
+    b = int8_pool()
+    b_refs = handoff.migrate(a, b, a_refs)
+    ia, ib = [r.page for r in a_refs], [r.page for r in b_refs]
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        for key in ("k", "v", "k.scale", "v.scale"):
+            assert torch.equal(la[key][ia], lb[key][ib]), key
+    back = pool(torch.float32, ())
+    back_refs = handoff.migrate(b, back, b_refs)
+    for c in ("k", "v"):
+        torch.testing.assert_close(dequant(back, back_refs, 0, c), dequant(b, b_refs, 0, c))
+    layers, scales = handoff.extract_pages(a, a_refs)
+    assert set(layers[0]) == {"k", "v", "k.scale", "v.scale"} and scales is None
+    assert payload_checksums(layers) == pool_page_checksums(a, ia)
+    ids = list(range(2 * PAGE - 1))
+    p = KVPayload("r", ids, 1, PAGE, "int8", layers, None)
+    assert handoff.check_payload(p, int8_pool(), 100, 64) == 2
+    bad = [{k: t for k, t in la.items() if k != "v.scale"} for la in layers]
+    with pytest.raises(RequestError, match="int8 pages need per-token scales for every component"):
+        handoff.check_payload(KVPayload("r", ids, 1, PAGE, "int8", bad, None), int8_pool(), 100, 64)
+    with pytest.raises(RequestError, match="cannot hand off"):
+        handoff.check_payload(p, pool(), 100, 64)
+    as_fp8 = [{k: (t.view(FP8) if t.dtype == torch.int8 else t) for k, t in la.items()} for la in layers]
+    with pytest.raises(RequestError, match="does not match kv_format 'int8'"):
+        handoff.check_payload(KVPayload("r", ids, 1, PAGE, "int8", as_fp8, None), int8_pool(), 100, 64)

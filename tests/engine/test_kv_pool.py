@@ -146,6 +146,11 @@ def test_granularity_picks_the_per_token_components():
 
     gqa = {"k": (3, 64), "v": (3, 64)}
     mla = {"latent": (1, 512), "rope_k": (1, 64)}
-    assert token_scaled_components("per-token-k", gqa) == ("k",)
-    assert token_scaled_components("per-head", gqa) == token_scaled_components("per-tensor", gqa) == ()
-    assert token_scaled_components("per-token-k", mla) == ()  # MLA keeps its static per-layer scales
+    assert token_scaled_components("fp8_e4m3", "per-token-k", gqa) == ("k",)
+    assert token_scaled_components("fp8_e4m3", "per-head", gqa) == ()
+    assert token_scaled_components("fp8_e4m3", "per-tensor", gqa) == ()
+    assert token_scaled_components("fp8_e4m3", "per-token-k", mla) == ()  # MLA: static per-layer scales
+    for g in ("per-token-k", "per-head", "per-tensor"):  # int8 scales everything per token; bf16 nothing
+        assert token_scaled_components("int8", g, gqa) == ("k", "v")
+        assert token_scaled_components("int8", g, mla) == ("latent", "rope_k")
+        assert token_scaled_components("bf16", g, gqa) == ()

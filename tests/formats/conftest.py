@@ -17,6 +17,12 @@ def int4_fp8_engine(make_engine):
 
 
 @pytest.fixture(scope="session")
+def int8_kv_engine(make_engine):
+    """Dense weights, bf16 prefill pool, int8 decode pool."""
+    return make_engine(formats=PhaseFormats("bf16", "bf16", "bf16", "int8"), kv_memory=64 << 20)
+
+
+@pytest.fixture(scope="session")
 def fp8_kv_engine(make_engine):
     """Dense weights, bf16 prefill pool, fp8_e4m3 decode pool."""
     return make_engine(formats=PhaseFormats("bf16", "bf16", "bf16", "fp8_e4m3"), kv_memory=64 << 20)

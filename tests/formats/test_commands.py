@@ -54,11 +54,11 @@ def test_bench_kv_command(no_reload, tmp_path) -> None:
     assert main([*argv, "--dtype", "float32", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     cap = res["capacity_tokens"]
-    assert cap["fp8_e4m3"] >= 1.95 * cap["bf16"]
+    assert cap["fp8_e4m3"] >= 1.95 * cap["bf16"] and cap["int8"] >= 1.93 * cap["bf16"]
     rows = {(r["kv"], r["concurrency"]): r for r in res["rows"]}
-    assert set(rows) == {(k, c) for k in ("bf16", "fp8_e4m3") for c in (1, 8)}
-    # sized so that bf16 cannot hold all 8 sequences at once while fp8 can
-    assert rows["fp8_e4m3", 8]["peak_running"] == 8
+    assert set(rows) == {(k, c) for k in ("bf16", "fp8_e4m3", "int8") for c in (1, 8)}
+    # sized so that bf16 cannot hold all 8 sequences at once while fp8 and int8 can
+    assert rows["fp8_e4m3", 8]["peak_running"] == rows["int8", 8]["peak_running"] == 8
     assert rows["bf16", 8]["peak_running"] < 8 or rows["bf16", 8]["preemptions"] > 0
     assert all(r["decode_tok_s"] > 0 for r in res["rows"])
 

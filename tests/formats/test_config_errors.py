@@ -13,7 +13,7 @@ from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseForm
     [
         (PhaseFormats("int3", "bf16", "int4", "fp8_e4m3"), "prefill-weights must be one of bf16, fp8, int4"),
         (PhaseFormats("fp8", "bf16", "int4", "fp8_e5m2"), "decode-kv must be one of bf16, fp8_e4m3"),
-        (PhaseFormats("fp8", "fp8_e4m3", "int4", "bf16"), "would widen lossy FP8 pages"),
+        (PhaseFormats("fp8", "fp8_e4m3", "int4", "bf16"), "cannot hand off to decode-kv bf16"),
     ],
 )
 def test_engine_config_rejects(formats: PhaseFormats, message: str) -> None:
@@ -59,7 +59,7 @@ def test_cli_invalid_combination_exits_2_before_loading(capsys, monkeypatch) -> 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     argv = ["generate", "--prompt", "x", "--prefill-kv", "fp8_e4m3", "--decode-kv", "bf16"]
     assert main(argv) == 2
-    assert "would widen lossy FP8 pages" in capsys.readouterr().err
+    assert "cannot hand off to decode-kv bf16" in capsys.readouterr().err
 
 
 def test_quantize_bad_group_size_exits_2(tmp_path, capsys) -> None:

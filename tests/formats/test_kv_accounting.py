@@ -64,7 +64,11 @@ def test_bench_kv_capacity_only_reads_just_the_config(tmp_path, capsys) -> None:
     assert main([*argv, "--max-model-len", "64", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     per_layer = 2 * hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads)
-    assert res["bytes_per_token_per_layer"] == {"bf16": 2 * per_layer, "fp8_e4m3": per_layer}
+    assert res["bytes_per_token_per_layer"] == {
+        "bf16": 2 * per_layer,
+        "fp8_e4m3": per_layer,
+        "int8": per_layer,
+    }
     assert res["num_layers"] == hf.num_hidden_layers and res["mode"] == "capacity"
     fp8 = res["capacity"]["fp8_e4m3"]
     assert fp8["max_len_sequences"] == fp8["tokens"] // 64 > 0

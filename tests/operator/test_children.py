@@ -79,7 +79,8 @@ def test_every_child_validates_against_its_kubernetes_schema(spec: dict) -> None
 
 def test_gpu_pools_request_gpus_and_fp8_pools_get_node_affinity() -> None:
     objs = build(
-        prefill={"weightFormat": "bf16", "kvCacheFormat": "bf16"}, decode={"gpus": 2, "tensorParallel": 2}
+        prefill={"weightFormat": "bf16", "kvCacheFormat": "bf16"},
+        decode={"gpus": 2, "tensorParallel": 2, "kvCacheFormat": "fp8_e4m3"},
     )
     prefill = objs["Deployment/m-prefill"]["spec"]["template"]["spec"]
     decode = objs["Deployment/m-decode"]["spec"]["template"]["spec"]
@@ -90,11 +91,13 @@ def test_gpu_pools_request_gpus_and_fp8_pools_get_node_affinity() -> None:
     ]
     assert term == [{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["true"]}]}]
     assert "affinity" not in prefill  # bf16/bf16 runs on any GPU
+    default = build(decode={"gpus": 1})["Deployment/m-decode"]["spec"]["template"]["spec"]
+    assert "affinity" not in default  # int4 weights and int8 KV need no FP8 hardware
 
 
 def test_fp8_placement_by_compute_capability_needs_8_9_or_later() -> None:
     """The default placement reads GPU feature discovery's compute capability labels: no product list."""
-    stored = admit(example("m", decode={"affinity": {}}))
+    stored = admit(example("m", decode={"affinity": {}, "kvCacheFormat": "fp8_e4m3"}))
     objs = children.build(META, parse(stored["spec"]), Config())
     terms = objs["Deployment/m-decode"]["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"
@@ -184,7 +187,7 @@ def test_agent_args_follow_the_contract() -> None:
         "--decode-weights",
         "int4",
         "--decode-kv",
-        "fp8_e4m3",
+        "int8",
         "--integrity",
         "audit",
         "--kv-memory-fraction",

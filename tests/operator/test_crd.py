@@ -35,7 +35,7 @@ def test_defaults_match_the_operator_defaults() -> None:
         and stored["spec"]["decode"]["weightFormat"] == "int4"
     )
     assert (
-        stored["spec"]["decode"]["kvCacheFormat"] == "fp8_e4m3"
+        stored["spec"]["decode"]["kvCacheFormat"] == "int8"
         and stored["spec"]["integrity"]["mode"] == "enforce"
     )
 
@@ -97,6 +97,8 @@ def test_schema_rejects_bad_specs(spec: dict, why: str) -> None:
         ({"decode": {"tensorParallel": 2, "nodesPerReplica": 4}}, "nodesPerReplica must not exceed"),
         ({"prefill": {"tensorParallel": 6, "nodesPerReplica": 4}}, "must be a multiple of nodesPerReplica"),
         ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
+        ({"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "int8"}}, "cannot hand off"),
+        ({"prefill": {"kvCacheFormat": "int8"}, "decode": {"kvCacheFormat": "bf16"}}, "cannot hand off"),
         ({"prefill": {"replicas": 0}}, "needs both pools"),
         (
             {
@@ -141,6 +143,8 @@ def test_cel_rules_reject_cross_field_mistakes(spec: dict, why: str) -> None:
         },
         {"prefill": {"tensorParallel": 2}, "decode": {"tensorParallel": 4}},  # the KV handoff re-shards
         {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "fp8_e4m3"}},
+        {"prefill": {"kvCacheFormat": "int8"}, "decode": {"kvCacheFormat": "int8"}},
+        {"decode": {"kvCacheFormat": "fp8_e4m3"}},  # bf16 prefill pages hand off to any decode format
         {"prefill": {"replicas": 0}, "decode": {"replicas": 0}},  # paused
         {  # an autoscaled pool's replicas field is not what counts
             "prefill": {"replicas": 0, "autoscaling": {"maxReplicas": 2, "targets": {"waitingRequests": 4}}},

@@ -83,7 +83,7 @@ def test_chart_install_and_example_becomes_ready(kind_cluster: str) -> None:
         time.sleep(5)
     assert status == "True", run("kubectl", "--context", context, "describe", "md", "smollm")
     columns = run("kubectl", "--context", context, "get", "md")
-    assert "DECODE FORMATS" in columns and "int4/fp8_e4m3" in columns
+    assert "DECODE FORMATS" in columns and "int4/int8" in columns
     scale_restarts_nothing(context)
     a_deleted_pod_drains(context)
 

@@ -181,7 +181,7 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
     set_ready(cluster, "router", 1)
     cluster.wait_for(lambda: condition(cluster.get(MD), "Ready")["status"] == "True", what="Ready")
 
-    update_spec(cluster, {"prefill": {"kvCacheFormat": "fp8_e4m3"}})
+    update_spec(cluster, {"prefill": {"kvCacheFormat": "int8"}})
     green = cluster.wait_for(lambda: lws(cluster, "smollm-decode-green"), what="green LeaderWorkerSet")
     cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
     leader = green["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
@@ -213,7 +213,7 @@ def test_a_format_change_that_also_goes_multi_node_keeps_the_old_pair_serving(cl
     cluster.wait_for(lambda: condition(cluster.get(MD), "Ready")["status"] == "True", what="Ready")
     old = selector(cluster, "smollm-decode")
 
-    update_spec(cluster, {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": MULTI})
+    update_spec(cluster, {"prefill": {"kvCacheFormat": "int8"}, "decode": MULTI})
     cluster.wait_for(lambda: lws(cluster, "smollm-decode-green"), what="green LeaderWorkerSet")
     cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
     cluster.wait_for(

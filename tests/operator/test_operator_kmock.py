@@ -35,7 +35,7 @@ NS = "default"
 MD = MD_PATH.format(ns=NS) + "/smollm"
 DEPS = DEP_PATH.format(ns=NS)
 CPU = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
-GENERATION = generation_of(("fp8", "bf16", "int4", "fp8_e4m3"))  # the default formats
+GENERATION = generation_of(("fp8", "bf16", "int4", "int8"))  # the default formats
 
 
 def create_md(cluster: Cluster, body: dict) -> dict:
@@ -103,7 +103,7 @@ def report(pool: str, *, age_s: float = 0, checks: int = 0, mismatches: int = 0,
             "prefillWeights": "fp8",
             "prefillKv": "bf16",
             "decodeWeights": "int4",
-            "decodeKv": "fp8_e4m3",
+            "decodeKv": "int8",
         },
         "weightBytes": 100,
         "kvCapacityTokens": kv_cap,
@@ -155,7 +155,7 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         assert flag(dep, "--model") == "builtin://smollm2-135m"
         if role != "router":  # the router reads no formats
             assert (flag(dep, "--prefill-weights"), flag(dep, "--prefill-kv")) == ("fp8", "bf16")
-            assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("int4", "fp8_e4m3")
+            assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("int4", "int8")
             assert flag(dep, "--integrity") == "enforce"
         assert "--no-prefix-caching" in args_of(dep) and "--no-session-affinity" not in args_of(dep)
         env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -199,7 +199,7 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         }
         assert svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     for dep in (prefill, decode):
-        assert dep["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "bf16->fp8_e4m3"
+        assert dep["spec"]["template"]["metadata"]["annotations"]["pagoda.dev/handoff"] == "bf16->int8"
     # The agents take everything from args and env: no ConfigMap, so none that nobody reads.
     assert cluster.get(CM_PATH.format(ns=NS))["items"] == []
     # The agents write their reports into their own pods (the chart's admission policy keeps each
@@ -218,7 +218,7 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         what="Ready",
     )
     assert condition(md, "Ready")["reason"] == "AllPoolsReady"
-    assert md["status"]["decode"]["ready"] == "1/1" and md["status"]["decode"]["formats"] == "int4/fp8_e4m3"
+    assert md["status"]["decode"]["ready"] == "1/1" and md["status"]["decode"]["formats"] == "int4/int8"
     events = cluster.wait_for(lambda: cluster.get(EVENT_PATH.format(ns=NS))["items"], what="events")
     reasons = {e["reason"] for e in events}
     assert "Created" in reasons
@@ -444,7 +444,7 @@ def selects(cluster: Cluster, pool: str) -> str | None:
     return svc.get("pagoda.dev/formats")
 
 
-NEW_GENERATION = generation_of(("fp8", "fp8_e4m3", "int4", "fp8_e4m3"))
+NEW_GENERATION = generation_of(("fp8", "int8", "int4", "int8"))
 
 
 @pytest.mark.slow  # about 20 s: the whole blue/green sequence on the operator's timer
@@ -458,14 +458,14 @@ def test_a_kv_format_change_brings_up_the_new_pair_before_removing_the_old(clust
         p: len(cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{p}"].history)
         for p in ("prefill", "decode")
     }
-    update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "fp8_e4m3"}})
+    update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "int8"}})
 
     # 1. The new pair starts beside the serving one, which is left as it is and keeps the traffic.
     green = cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-decode-green"), what="green decode")
     green_prefill = cluster.wait_for(
         lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill"
     )
-    assert flag(green_prefill, "--prefill-kv") == "fp8_e4m3" and flag(green, "--prefill-kv") == "fp8_e4m3"
+    assert flag(green_prefill, "--prefill-kv") == "int8" and flag(green, "--prefill-kv") == "int8"
     assert green["spec"]["template"]["metadata"]["labels"]["pagoda.dev/formats"] == NEW_GENERATION
     assert green["spec"]["selector"]["matchLabels"]["pagoda.dev/slot"] == "green"
     md = cluster.wait_for(
@@ -495,7 +495,7 @@ def test_a_kv_format_change_brings_up_the_new_pair_before_removing_the_old(clust
         lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "RolloutComplete" and m,
         what="rollout complete",
     )
-    assert md["status"]["rollout"] == {"handoff": "fp8_e4m3->fp8_e4m3", "generation": NEW_GENERATION}
+    assert md["status"]["rollout"] == {"handoff": "int8->int8", "generation": NEW_GENERATION}
     assert md["status"]["prefill"]["ready"] == "1/1"  # the green pair serves
 
 
@@ -768,7 +768,7 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
         )
     cluster.delete(INTERNAL)
     cluster.wait_for(lambda: cluster.get(INTERNAL), what="internal Secret recreated")
-    update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "fp8_e4m3"}})  # blue/green
+    update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "int8"}})  # blue/green
     for pool in ("decode", "prefill"):  # the pass creates them one after the other
         cluster.wait_for(lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}-green"), what=f"green {pool}")
     set_ready_named(cluster, "smollm-prefill-green", 1)

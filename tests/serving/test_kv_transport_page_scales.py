@@ -92,3 +92,50 @@ def test_frame_size_bound_covers_page_scales() -> None:
     lim = limits()
     assert lim.page_bytes("float8_e4m3fn", ["k"]) == lim.page_bytes("float8_e4m3fn") + 2 * 4 * 2 * 2
     assert lim.max_frame >= lim.page_bytes("float8_e4m3fn", lim.components) + 4
+
+
+def int8_payload(pages: int = 3) -> KVPayload:
+    """int8 K and V pages (2 layers, 2 heads, dim 8, page 4), each with its per-token scales."""
+    g = torch.Generator().manual_seed(1)
+    layers = []
+    for _ in range(2):
+        layer = {c: torch.randint(-127, 128, (pages, 4, 2, 8), generator=g, dtype=torch.int8) for c in "kv"}
+        for c in "kv":
+            layer[f"{c}.scale"] = (torch.rand(pages, 4, 2, generator=g) + 0.1).bfloat16()
+        layers.append(layer)
+    return KVPayload("req-1", list(range(4 * pages - 2)), 42, 4, "int8", layers, None, None, 0)
+
+
+def test_int8_pages_round_trip_bit_exact() -> None:
+    p = int8_payload()
+    h = header_of("t1", p, 0)
+    assert (h["kv_format"], h["dtype"], h["page_scales"], h["has_scales"]) == (
+        "int8",
+        "int8",
+        ["k", "v"],
+        False,
+    )
+    stats, r = run(lambda r: TcpKVSender(AUTH, timeout=10).send(r.addr, "t1", p))
+    q = r.got["t1"]
+    assert stats.pages == 3 and not r.errors and q.scales is None
+    for a, b in zip(p.layers, q.layers, strict=True):
+        assert set(b) == set(a)
+        for key, t in a.items():
+            assert b[key].dtype == t.dtype and torch.equal(t, b[key]), key
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda h: h.update(page_scales=["k"]), "int8 pages need page_scales for every component"),
+        (lambda h: h.pop("page_scales"), "int8 pages need page_scales"),
+        (lambda h: h.update(dtype="float8_e4m3fn"), "kv_format/dtype"),
+        (lambda h: h.update(kv_format="fp8_e4m3"), "kv_format/dtype"),
+    ],
+)
+def test_int8_headers_that_misdescribe_their_pages_are_refused(change, match) -> None:
+    check_header(header_of("t1", int8_payload(), 0), limits(), 100)
+    h = header_of("t1", int8_payload(), 0)
+    change(h)
+    with pytest.raises(HeaderError, match=match):
+        check_header(h, limits(), 100)
