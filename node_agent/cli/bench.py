@@ -187,7 +187,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
     k.add_argument("--max-tokens", type=int, default=24, help="new tokens per sequence (at most)")
     k.add_argument(
-        "--pages-per-seq", type=int, default=None, help="default: fills 85%% of fp8 at top concurrency"
+        "--pages-per-seq",
+        type=int,
+        default=None,
+        help="default: fills 85%% of the smaller 1-byte pool at top concurrency",
     )
     add_method_args(k, threads_default=1)
     k.add_argument(
