@@ -23,7 +23,7 @@ def _greedy(engine) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "decode_kv,granularity",
-    [("fp8_e4m3", "per-token-k"), ("fp8_e4m3", "per-head"), ("bf16", "per-token-k")],
+    [("int8", "per-token-k"), ("fp8_e4m3", "per-token-k"), ("fp8_e4m3", "per-head"), ("bf16", "per-token-k")],
 )
 def test_native_layers_give_the_torch_paths_tokens(make_engine, monkeypatch, decode_kv, granularity):
     engine = make_engine(
@@ -42,8 +42,8 @@ def test_native_layers_give_the_torch_paths_tokens(make_engine, monkeypatch, dec
     if decode_kv == "bf16":  # float32 pages: nothing rounds the two float32 evaluations apart
         assert same == len(native), f"{same}/{len(native)} identical over {NEW_TOKENS} tokens"
     else:
-        # Both paths write bit-identical FP8 pages from float32 values that differ in the last bits
-        # (norms, SiLU and attention sum or round in other orders), and e4m3 rounding can amplify
+        # Both paths write bit-identical int8 or FP8 pages from float32 values that differ in the last
+        # bits (norms, SiLU and attention sum or round in other orders), and the rounding can amplify
         # that at a near tie late in a continuation: with the VNNI GEMM (x held to 24 bits per
         # 32-block) per-token-k measured prompts separating at tokens 17, 22 and 23 of 24 (the
         # float32 GEMM: one, at 23). What a fault would break, the first 16 tokens, must agree.
