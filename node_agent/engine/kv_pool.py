@@ -7,8 +7,8 @@ a per-token shape, ``{"k": (Hkv, D), "v": (Hkv, D)}`` for GQA models, ``{"latent
 component, either a static float32 scale per head or (the ``token_scaled`` components) a bfloat16
 scale per token and head stored beside the pages: ``layers[l]["k.scale"]`` ``[num_pages,
 page_size, heads]``, part of the page like its values, so it moves, hands off and is checksummed
-with it. INT8 pools scale every component that way. Every allocation bumps the page's generation tag; block tables keep ``(page,
-expected_tag)`` so a stale mapping is detectable before a read.
+with it. INT8 pools scale every component that way. Every allocation bumps the page's generation
+tag; block tables keep ``(page, expected_tag)`` so a stale mapping is detectable before a read.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ log = logging.getLogger("pagoda.kv")
 # element dtype per KV format name (None: the compute dtype); fp32 only for calibration scratch pools
 KV_FORMATS = {"bf16": None, "fp32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 TAG_BYTES = 4  # int32 generation tag per page
-PAGE_SCALE_SUFFIX = ".scale"  # layers[l][component + suffix]: per-token FP8 scales beside the pages
+PAGE_SCALE_SUFFIX = ".scale"  # layers[l][component + suffix]: per-token scales beside the pages
 TOKEN_SCALE_BYTES = torch.empty((), dtype=TOKEN_SCALE_DTYPE).element_size()
 
 
@@ -102,7 +102,8 @@ class KVPagePool:
             for _ in range(num_layers)
         ]
         # FP8 pages dequantize with static scales per layer and head, set by calibration, or (the
-        # token_scaled components) with per-token scales written beside the pages with the values.
+        # token_scaled components; every component of int8 pages) with per-token scales written
+        # beside the pages with the values.
         self.token_scaled = tuple(token_scaled) if dtype in SCALED_DTYPES else ()
         for layer in self.layers:
             for c in self.token_scaled:
