@@ -194,7 +194,7 @@ class Spec:
 
     @property
     def handoff(self) -> str:
-        """The KV handoff between the pools, e.g. ``bf16->fp8_e4m3``."""
+        """The KV handoff between the pools, e.g. ``bf16->int8``."""
         return f"{self.prefill.kv_cache_format}->{self.decode.kv_cache_format}"
 
 
