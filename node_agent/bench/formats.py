@@ -44,6 +44,8 @@ from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_KV_BUDGET = 64 << 20
 TRUE_BF16 = torch.bfloat16
+# the 1-byte KV formats, each compared with bf16, by the short name their JSON ratios carry
+ONE_BYTE_KV = {"fp8_e4m3": "fp8", "int8": "int8"}
 FILLER = (
     " The tide came in slowly over the flat grey sand, filling the channels one by one while the "
     "gulls waited on the posts of the old pier for the fishing boats to return before nightfall."
@@ -81,6 +83,17 @@ def kv_capacity(cfg, budget: int, page_size: int, kv_format: str, granularity: s
         "component_bytes_per_token_per_layer": per_comp,
         "token_scale_bytes_per_token_per_layer": sum(comps[c][0] for c in scaled) * TOKEN_SCALE_BYTES,
     }
+
+
+def capacity_over_bf16(caps: dict) -> dict[str, float]:
+    """Each 1-byte pool's tokens over bf16's, by format."""
+    bf16 = max(1, caps["bf16"]["tokens"])
+    return {f: caps[f]["tokens"] / bf16 for f in ONE_BYTE_KV}
+
+
+def ratio_keys(kind: str, by_format: dict) -> dict:
+    """Per-format values under their JSON keys, ``<kind>_ratio_<fp8|int8>_vs_bf16``."""
+    return {f"{kind}_ratio_{ONE_BYTE_KV[f]}_vs_bf16": v for f, v in by_format.items()}
 
 
 def model_config_of(source: str):
@@ -126,8 +139,7 @@ def bench_kv_capacity(cfg: EngineConfig, log: Log = echo) -> dict:
         "bytes_per_token_per_layer": {f: caps[f]["bytes_per_token_per_layer"] for f in KV_CACHE_FORMATS},
         "capacity_tokens": {f: caps[f]["tokens"] for f in KV_CACHE_FORMATS},
         "capacity": caps,
-        "capacity_ratio_fp8_vs_bf16": caps["fp8_e4m3"]["tokens"] / max(1, caps["bf16"]["tokens"]),
-        "capacity_ratio_int8_vs_bf16": caps["int8"]["tokens"] / max(1, caps["bf16"]["tokens"]),
+        **ratio_keys("capacity", capacity_over_bf16(caps)),
     }
 
 
@@ -193,15 +205,14 @@ def bench_kv(
         cfg.kv_scale_granularity,
     )
     cmax = max(concurrency)
-    small = min(caps["fp8_e4m3"]["pages"], caps["int8"]["pages"])
+    small = min(caps[f]["pages"] for f in ONE_BYTE_KV)
     pages_per_seq = pages_per_seq or max(1, int(0.85 * small / cmax))
     seq_tokens = pages_per_seq * ps
     max_tokens = min(max_tokens, seq_tokens // 2)
     prompt_tokens = seq_tokens - max_tokens
     for f in KV_CACHE_FORMATS:
         caps[f]["max_seqs"] = caps[f]["pages"] // pages_per_seq
-    ratio = caps["fp8_e4m3"]["tokens"] / caps["bf16"]["tokens"]
-    ratio8 = caps["int8"]["tokens"] / caps["bf16"]["tokens"]
+    over_bf16 = capacity_over_bf16(caps)
     log(f"KV budget {budget / 2**20:.1f} MiB, page {ps} tokens, {seq_tokens} tokens per sequence")
     comps = ", ".join(f"{n} {tuple(s)}" for n, s in kv_components(mc).items())
     log(f"  per token and layer: {comps} x {mc.num_layers} layers")
@@ -211,9 +222,10 @@ def bench_kv(
             f"  {f:<9} {c['bytes_per_token_per_layer']:>6} B/token/layer {c['bytes_per_token']:>9.1f} B/token "
             f"{c['pages']:>6} pages {c['tokens']:>8} tokens  max {c['max_seqs']} sequences"
         )
+    shown = ", ".join(f"{ONE_BYTE_KV[f]} {r:.3f}x" for f, r in over_bf16.items())
     log(
-        f"  capacity over bf16: fp8 {ratio:.3f}x, int8 {ratio8:.3f}x (split bf16 prefill + "
-        f"{default.formats.decode_kv} decode: {split_decode['tokens']} decode tokens)"
+        f"  capacity over bf16: {shown} (split bf16 prefill + {default.formats.decode_kv} decode: "
+        f"{split_decode['tokens']} decode tokens)"
     )
     engines = {}
     for f in KV_CACHE_FORMATS:
@@ -270,7 +282,7 @@ def bench_kv(
             )
             for c in concurrency
         }
-        for f in ("fp8_e4m3", "int8")
+        for f in ONE_BYTE_KV
     }
     return {
         "bench": "kv",
@@ -289,12 +301,10 @@ def bench_kv(
         "num_layers": mc.num_layers,
         "bytes_per_token_per_layer": {f: caps[f]["bytes_per_token_per_layer"] for f in KV_CACHE_FORMATS},
         "capacity": caps,
-        "capacity_ratio_fp8_vs_bf16": ratio,
-        "capacity_ratio_int8_vs_bf16": ratio8,
+        **ratio_keys("capacity", over_bf16),
         "split_default_decode_capacity_tokens": split_decode["tokens"],
         "rows": rows,
-        "decode_ratio_fp8_vs_bf16": ratio_rows["fp8_e4m3"],
-        "decode_ratio_int8_vs_bf16": ratio_rows["int8"],
+        **ratio_keys("decode", ratio_rows),
     }
 
 
