@@ -2,8 +2,9 @@
 
 Both serve float32 caches, FP8 e4m3 caches (static or per-token scales) and int8 caches (per-token
 scales) on CPU tensors; for anything else (bfloat16 pages, CUDA tensors, shapes the torch path would
-reject) they return False/None and the caller runs the torch path, which then raises its own errors. They also step aside when the
-native library cannot be built (``cpu_int4_native.status``) or ``PAGODA_NATIVE_ATTENTION=0``.
+reject) they return False/None and the caller runs the torch path, which then raises its own
+errors. They also step aside when the native library cannot be built (``cpu_int4_native.status``)
+or ``PAGODA_NATIVE_ATTENTION=0``.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def _mode(cache: Tensor, scale: Tensor | None) -> int | None:
         return None
     if scale.dim() == 3:  # per-token page scales, written in place: must be the pool's own tensor
         ok = scale.dtype == TOKEN_SCALE_DTYPE and scale.is_contiguous() and scale.shape == cache.shape[:3]
-        return None if not ok else MODE_INT8_TOKEN if dtype is INT8_DTYPE else MODE_FP8_TOKEN
-    if dtype is INT8_DTYPE:
-        return None
-    return MODE_FP8_STATIC if tuple(scale.shape) == (cache.shape[2],) else None
+        if not ok:
+            return None
+        return MODE_INT8_TOKEN if dtype is INT8_DTYPE else MODE_FP8_TOKEN
+    static_ok = dtype is FP8_DTYPE and tuple(scale.shape) == (cache.shape[2],)  # int8 has no static mode
+    return MODE_FP8_STATIC if static_ok else None
 
 
 def _scale_arg(mode: int, scale: Tensor | None) -> Tensor | None:

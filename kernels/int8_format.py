@@ -2,7 +2,8 @@
 
 A row ``x [..., H, D]`` stores ``q = clamp(round(x / s), -127, 127)`` (round half to even) as int8
 and ``s = bf16(max(amax|x| / 127, 1e-12))`` per token and head, in bfloat16 beside the page (the
-same page scales as FP8's per-token K). Dequantization is ``q * s`` in float32. Unlike e4m3 (3
+same page scales as FP8's per-token K). Dequantization is ``q * s`` in float32 (``paged_attention``
+reads every scaled page that way). Unlike e4m3 (3
 mantissa bits), the error is uniform across a row: a token's largest entries, which dominate q.k,
 keep about 7 significant bits. NaN values store 0 (their row's scale is NaN, so the row reads NaN).
 
@@ -31,8 +32,3 @@ def quantize_int8(x: Tensor, scale: Tensor) -> Tensor:
     """``round(x / scale)`` clamped to +-127 as int8 (``scale`` broadcastable; NaN -> 0)."""
     y = (x.float() / scale.float()).round_().clamp_(-INT8_MAX, INT8_MAX)
     return y.nan_to_num_(0.0).to(INT8_DTYPE)
-
-
-def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
-    """``q * scale`` in float32 (``scale`` broadcastable)."""
-    return q.float() * scale.float()

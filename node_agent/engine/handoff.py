@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
-from pagoda.kernels.paged_attention import convert_component_pages
+from pagoda.kernels.paged_attention import SCALED_DTYPES, convert_component_pages
 from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
 from pagoda.vocabulary import handoff_allowed
@@ -248,9 +248,8 @@ def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, dty
     for int8), each bfloat16 ``[num_pages, page_size, heads]``, finite and non-negative. Returns the
     components that need static scales instead (FP8 components without page scales; none for
     other pages)."""
-    fp8 = dtype == torch.float8_e4m3fn
     first = {c for c in payload.layers[0] if is_page_scale_key(c)}
-    if first and not (fp8 or dtype == torch.int8):
+    if first and dtype not in SCALED_DTYPES:
         raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8 or int8")
     if dtype == torch.int8 and first != {page_scale_key(c) for c in pool.replica_components}:
         raise RequestError(
@@ -276,7 +275,7 @@ def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, dty
                 )
             if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
                 raise RequestError(f"{where}: per-token scales must be finite and non-negative")
-    if not fp8:
+    if dtype != torch.float8_e4m3fn:  # only FP8 components take static scales
         return []
     return [c for c in pool.replica_components if page_scale_key(c) not in first]
 
