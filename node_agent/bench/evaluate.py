@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pagoda.node_agent.bench.common import EngineFactory, Log, echo, engine_factory, set_threads
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import TAG_BYTES
+from pagoda.node_agent.kv.pool import TAG_BYTES
 
 EVAL_TEXT = (
     "Every spring the river below the old mill rises with melted snow from the northern hills. "

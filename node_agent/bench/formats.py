@@ -37,9 +37,10 @@ from pagoda.node_agent.bench.common import (
 from pagoda.node_agent.bench.decode import run_pagoda_decode
 from pagoda.node_agent.bench.stepping import run_steps
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import TOKEN_SCALE_BYTES, KVPagePool, storage_dtype
 from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
 from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.kv.formats import TOKEN_SCALE_BYTES
+from pagoda.node_agent.kv.pool import KVPagePool, storage_dtype
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_KV_BUDGET = 64 << 20
@@ -70,8 +71,8 @@ def kv_capacity(cfg, budget: int, page_size: int, kv_format: str, granularity: s
     dt = storage_dtype(kv_format, TRUE_BF16)
     comps = kv_components(cfg)
     scaled = token_scaled_components(kv_format, granularity, comps)
-    pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt, scaled)
-    per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt, scaled)
+    pages = KVPagePool.pages_for_budget(budget, cfg.num_layers, page_size, comps, dt, scaled, kv_format)
+    per_page = KVPagePool.bytes_per_page(cfg.num_layers, page_size, comps, dt, scaled, kv_format)
     elem = torch.empty((), dtype=dt).element_size()
     per_comp = {name: int(torch.Size(shape).numel()) * elem for name, shape in comps.items()}
     return {

@@ -12,7 +12,8 @@ from pagoda.node_agent.engine.config import (
     PhaseFormats,
     parse_bytes,
 )
-from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
+from pagoda.node_agent.kv import formats as kv_formats
+from pagoda.vocabulary import INTEGRITY_MODES, WEIGHT_FORMATS
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
 
@@ -31,12 +32,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
     p.add_argument(
-        "--prefill-kv", choices=KV_CACHE_FORMATS, default=None, help="prefill KV pages (default bf16)"
+        "--prefill-kv",
+        choices=kv_formats.names(wire=True),
+        default=None,
+        help="prefill KV pages (default bf16)",
     )
     p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
     p.add_argument(
         "--decode-kv",
-        choices=KV_CACHE_FORMATS,
+        choices=kv_formats.names(wire=True),
         default=None,
         help="decode KV pages: int8 (default; K and V int8 with a scale per token and head), fp8_e4m3 "
         "or bf16",

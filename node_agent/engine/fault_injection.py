@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
 from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.kv.pool import KVPagePool, PageRef
 
 
 class FaultInjectionError(RuntimeError):

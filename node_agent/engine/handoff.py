@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
-from pagoda.kernels.paged_attention import SCALED_DTYPES, convert_component_pages
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
-from pagoda.vocabulary import handoff_allowed
+from pagoda.node_agent.kv import formats
+from pagoda.node_agent.kv.layout import LayoutError, PageLayout, check_page_set
+from pagoda.node_agent.kv.pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
+from pagoda.node_agent.kv.storage import component_of
 
 
 @dataclass
@@ -48,10 +49,7 @@ def extract_pages(
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]] | None]:
     """Copy the pages' contents (every layer, per-token scales included) out of a pool, to the CPU."""
     idx = torch.tensor([r.page for r in refs], dtype=torch.long, device=pool.device)
-    layers = [{c: t[idx].cpu() for c, t in layer.items()} for layer in pool.layers]
-    static = pool.static_scales if pool.static_scales and any(pool.static_scales) else None
-    scales = [{c: s.cpu().clone() for c, s in layer.items()} for layer in static] if static else None
-    return layers, scales
+    return PageLayout.of_pool(pool).select(pool.layers, pool.static_scales, idx)
 
 
 def convert_into(
@@ -66,12 +64,13 @@ def convert_into(
     destination's format and scales (per-token scale rows travel with their pages)."""
     dst_idx = torch.tensor([r.page for r in dst_refs], dtype=torch.long, device=dst.device)
     idx = src_idx if src_idx is not None else torch.arange(len(dst_refs), device=dst.device)
+    src = PageLayout.of_pages(src_layers, src_scales)
     for li, (d, s) in enumerate(zip(dst.layers, src_layers, strict=True)):
-        ss = src_scales[li] if src_scales else {}
+        ss = src_scales[li] if src.static_scaled else {}
         ds = dst.layer_scales(li)
-        for c in dst.components:  # every component of the pool: K and V, or an MLA latent and rope key
-            s_scale = s.get(page_scale_key(c), ss.get(c))
-            convert_component_pages(
+        for c in PageLayout.of_pool(dst).components:  # K and V, or an MLA latent and rope key
+            s_scale = s[page_scale_key(c)] if c in src.page_scaled else ss.get(c)
+            dst.format.convert(
                 s[c].to(dst.device), d[c], idx, dst_idx, ds.get(c), _dev(s_scale, dst.device), backend
             )
 
@@ -128,12 +127,6 @@ def payload_of(
 
 
 MAX_REQUEST_ID_CHARS = 256
-# Per KV cache format: the page dtypes a sender may hold ("bf16" follows its compute dtype).
-PAYLOAD_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "bf16": (torch.bfloat16, torch.float32),
-    "fp8_e4m3": (torch.float8_e4m3fn,),
-    "int8": (torch.int8,),
-}
 # Sequences sample with a CPU generator on every device (sequence.py): its state is what a payload carries.
 GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
 
@@ -155,7 +148,7 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
 
     Accepted pages: a ``kv_format`` that may hand off to the pool's (vocabulary.HANDOFFS); per layer
     exactly the pool's components, each a dense ``[num_pages, page_size, *shape]`` tensor on the CPU
-    or the pool's device, all in one dtype of that format (PAYLOAD_DTYPES); FP8 pages come with
+    or the pool's device, all in one wire dtype of that format (kv/formats.py); FP8 pages come with
     scales per layer and component: finite positive float32 ``[heads]`` in ``scales``, or finite
     non-negative bfloat16 per-token scales ``[num_pages, page_size, heads]`` beside the pages
     (``layers[l]["k.scale"]``); others with none.
@@ -205,9 +198,11 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
 def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch.dtype:
     """Layer count, component names, dtypes and shapes of the pages; returns their (single) dtype."""
     fmt = payload.kv_format
-    if not isinstance(fmt, str) or fmt not in PAYLOAD_DTYPES:
-        raise RequestError(f"KV payload kv_format must be one of {sorted(PAYLOAD_DTYPES)}, got {fmt!r}")
-    if not handoff_allowed(fmt, pool.kv_format):
+    if not isinstance(fmt, str) or fmt not in formats.names(wire=True):
+        raise RequestError(
+            f"KV payload kv_format must be one of {sorted(formats.names(wire=True))}, got {fmt!r}"
+        )
+    if not formats.handoff_allowed(fmt, pool.kv_format):
         raise RequestError(
             f"KV payload kv_format {fmt!r} cannot hand off to this worker's {pool.kv_format!r}"
         )
@@ -229,7 +224,7 @@ def _check_layers(payload: KVPayload, pool: KVPagePool, num_pages: int) -> torch
             want = (num_pages, pool.page_size, *pool.replica_components[c])
             if tuple(t.shape) != want:
                 raise RequestError(f"{where}: shape {tuple(t.shape)}, expected {want} for {num_pages} pages")
-            if t.dtype not in PAYLOAD_DTYPES[fmt] or (dtype is not None and t.dtype != dtype):
+            if t.dtype not in formats.get(fmt).wire_dtypes or (dtype is not None and t.dtype != dtype):
                 raise RequestError(f"{where}: dtype {t.dtype} does not match kv_format {fmt!r}")
             dtype = t.dtype
     assert dtype is not None  # a pool has at least one layer and component
@@ -243,19 +238,34 @@ def _check_tensor(t: object, where: str, pool: KVPagePool) -> None:
         raise RequestError(f"{where}: tensor on {t.device}, expected the CPU or {pool.device.type}")
 
 
+# how a payload words the page-set rules of kv/layout.py (tests pin these texts)
+_PAYLOAD_RULES = {
+    LayoutError.DTYPE: "KV payload layers: dtype {dtype} does not match kv_format {fmt!r}",
+    LayoutError.UNSCALED: "KV payload layers: per-token scales present, but the pages are not FP8 or int8",
+    LayoutError.EVERY: "KV payload layers[0]: {fmt} pages need per-token scales for every component "
+    "({comps}), got {got}",
+}
+
+
 def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, dtype: torch.dtype) -> list[str]:
     """Per-token scales beside FP8 or int8 pages: the same components in every layer (all of them
     for int8), each bfloat16 ``[num_pages, page_size, heads]``, finite and non-negative. Returns the
     components that need static scales instead (FP8 components without page scales; none for
     other pages)."""
     first = {c for c in payload.layers[0] if is_page_scale_key(c)}
-    if first and dtype not in SCALED_DTYPES:
-        raise RequestError("KV payload layers: per-token scales present, but the pages are not FP8 or int8")
-    if dtype == torch.int8 and first != {page_scale_key(c) for c in pool.replica_components}:
-        raise RequestError(
-            "KV payload layers[0]: int8 pages need per-token scales for every component "
-            f"({sorted(pool.replica_components)}), got {sorted(map(str, first))[:4]}"
+    try:
+        layout = check_page_set(
+            payload.kv_format, dtype, list(pool.replica_components), [component_of(k) for k in first]
         )
+    except LayoutError as exc:
+        raise RequestError(
+            _PAYLOAD_RULES[exc.rule].format(
+                fmt=exc.format.name,
+                dtype=dtype,
+                comps=sorted(pool.replica_components),
+                got=sorted(map(str, first))[:4],
+            )
+        ) from None
     for li, layer in enumerate(payload.layers):
         keys = {c for c in layer if is_page_scale_key(c)}
         if keys != first or not keys <= {page_scale_key(c) for c in pool.replica_components}:
@@ -267,17 +277,14 @@ def _check_page_scales(payload: KVPayload, pool: KVPagePool, num_pages: int, dty
             t = layer[key]
             where = f"KV payload layers[{li}][{key!r}]"
             _check_tensor(t, where, pool)
-            c = key.removesuffix(".scale")
-            want = (num_pages, pool.page_size, pool.replica_components[c][0])
+            want = (num_pages, pool.page_size, pool.replica_components[component_of(key)][0])
             if t.dtype != TOKEN_SCALE_DTYPE or tuple(t.shape) != want:
                 raise RequestError(
                     f"{where}: {t.dtype} {tuple(t.shape)}, expected {TOKEN_SCALE_DTYPE} {want}"
                 )
             if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
                 raise RequestError(f"{where}: per-token scales must be finite and non-negative")
-    if dtype != torch.float8_e4m3fn:  # only FP8 components take static scales
-        return []
-    return [c for c in pool.replica_components if page_scale_key(c) not in first]
+    return list(layout.static_scaled)
 
 
 def _check_scales(scales: object, pool: KVPagePool, static: list[str]) -> None:

@@ -17,9 +17,9 @@ import torch
 
 from pagoda.kernels.integrity import check_page_tags, find_mismatches
 from pagoda.node_agent.engine.block_tables import block_table_tensor
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
 from pagoda.node_agent.engine.page_checksum import payload_checksums, pool_page_checksums
 from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.kv.pool import KVPagePool, PageRef
 
 log = logging.getLogger("pagoda.integrity")
 

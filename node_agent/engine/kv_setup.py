@@ -13,9 +13,10 @@ from pagoda.kernels.paged_attention import (
 )
 from pagoda.node_agent.engine.calibration import CALIBRATION_TEXT
 from pagoda.node_agent.engine.config import EngineConfig
-from pagoda.node_agent.engine.kv_pool import KVPagePool, storage_dtype
 from pagoda.node_agent.engine.memory import check_pool_fits
 from pagoda.node_agent.engine.model_runner import ModelRunner
+from pagoda.node_agent.kv import formats as kv_formats
+from pagoda.node_agent.kv.pool import KVPagePool, storage_dtype
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.tokenizer import Tokenizer
 
@@ -33,14 +34,10 @@ def kv_components(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def token_scaled_components(
     kv_format: str, granularity: str, components: dict[str, tuple[int, ...]]
 ) -> tuple[str, ...]:
-    """The components whose scales are per token: all of them in int8 pages; in fp8_e4m3 pages K
-    under "per-token-k" (a GQA model's "k"; MLA's latent and rope key keep their static per-layer
-    scales), none otherwise."""
-    if kv_format == "int8":
-        return tuple(components)
-    if kv_format != "fp8_e4m3":
-        return ()
-    return ("k",) if granularity == "per-token-k" and "k" in components else ()
+    """The components whose scales are per token, as the KV format says (kv/formats.py): all of
+    them in int8 pages; in fp8_e4m3 pages K under "per-token-k" (a GQA model's "k"; MLA's latent and
+    rope key keep their static per-layer scales), none otherwise."""
+    return kv_formats.get(kv_format).token_scaled(components, granularity)
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
@@ -109,14 +106,16 @@ class PoolBuilder:
         dt = storage_dtype(kv_format, self.dtype)
         n = self.model_config.num_layers
         tok = token_scaled_components(kv_format, self.config.kv_scale_granularity, self.components)
-        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.sizing, dt, tok)
+        pages = KVPagePool.pages_for_budget(budget, n, self.config.page_size, self.sizing, dt, tok, kv_format)
         check_pool_fits(
             name=name,
             kv_format=kv_format,
             budget=budget,
             pages=pages,
             page_size=self.config.page_size,
-            bytes_per_page=KVPagePool.bytes_per_page(n, self.config.page_size, self.sizing, dt, tok),
+            bytes_per_page=KVPagePool.bytes_per_page(
+                n, self.config.page_size, self.sizing, dt, tok, kv_format
+            ),
             num_layers=n,
             max_model_len=self.max_model_len,
             must_hold_sequence=self.must_hold_sequence(),

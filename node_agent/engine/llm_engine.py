@@ -30,7 +30,6 @@ from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.fault_injection import make_faults
 from pagoda.node_agent.engine.integrity import IntegrityError, make_tracker, release_owned
-from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
 from pagoda.node_agent.engine.kv_setup import PoolBuilder, kv_components
 from pagoda.node_agent.engine.memory import check_weights_fit, estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
@@ -41,6 +40,7 @@ from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
+from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.loader import LoadedModel, load_model
 from pagoda.node_agent.models.parallel import head_ranges

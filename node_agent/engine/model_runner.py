@@ -7,10 +7,10 @@ import torch
 from pagoda.kernels.linear import int4_cpu_compute
 from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
-from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.sampling import sample
 from pagoda.node_agent.engine.scheduler import ScheduledStep
 from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.llama import LlamaForCausalLM

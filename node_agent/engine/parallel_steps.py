@@ -30,8 +30,9 @@ import torch.distributed as dist
 
 from pagoda.kernels.integrity import check_page_tags
 from pagoda.node_agent.engine.handoff import convert_into, extract_pages
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
+from pagoda.node_agent.kv.layout import PageLayout, transfer_dtypes
+from pagoda.node_agent.kv.pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.parallel import reduce_cpu
 
@@ -303,23 +304,6 @@ def _concat_heads(per_rank):
     return layers, scales
 
 
-def _tensor_list(layers, scales) -> list[torch.Tensor]:
-    """The transfer order: every layer's components (sorted), then every layer's static scales."""
-    out = [layer[c] for layer in layers for c in sorted(layer)]
-    if scales:
-        out += [s[c] for s in scales for c in sorted(s)]
-    return out
-
-
-# the element types a page transfer may carry, by wire code
-WIRE_DTYPES = (
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-)
 LAYOUT_LEN = 20  # int64s: [keys, scale keys, (name, dtype) per key, (name, dtype) per scale key]
 
 
@@ -330,35 +314,36 @@ def _key_names(pool: KVPagePool) -> list[str]:
 
 
 def _layout(pool: KVPagePool, layers, scales) -> torch.Tensor:
-    """What the pages are (their keys and element types; the receiver knows the shapes), as int64s.
-    The pages of a transfer come from one source, so every layer holds the same keys."""
-    names = _key_names(pool)
-    keys = sorted(layers[0])
-    skeys = sorted(scales[0]) if scales else []
-    if any(sorted(layer) != keys for layer in layers) or any(sorted(s) != skeys for s in scales or []):
+    """What the pages are (their PageLayout's keys and element types; the receiver knows the
+    shapes), as int64s. The pages of a transfer come from one source, so every layer holds the same keys."""
+    names, codes = _key_names(pool), transfer_dtypes()
+    layout = PageLayout.of_pages(layers, scales)
+    keys, skeys = layout.page_keys, layout.static_scaled
+    if any(set(layer) != set(keys) for layer in layers) or any(set(s) != set(skeys) for s in scales or []):
         raise ValueError("the pages to transfer hold different components in different layers")
     out = [len(keys), len(skeys)]
     for k, t in [(k, layers[0][k]) for k in keys] + [(k, scales[0][k]) for k in skeys]:
-        if k not in names or t.dtype not in WIRE_DTYPES:
+        if k not in names or t.dtype not in codes:
             raise ValueError(f"cannot transfer KV component {k!r} of {t.dtype}")
-        out += [names.index(k), WIRE_DTYPES.index(t.dtype)]
+        out += [names.index(k), codes.index(t.dtype)]
     if len(out) > LAYOUT_LEN:
         raise ValueError(f"a page transfer of {len(keys)} + {len(skeys)} keys is too large to describe")
     return torch.tensor(out + [0] * (LAYOUT_LEN - len(out)), dtype=torch.long)
 
 
 def _read_layout(pool: KVPagePool, layout: torch.Tensor) -> tuple[list[tuple], list[tuple]]:
-    """([(key, dtype)] of each layer's pages, [(key, dtype)] of each layer's static scales)."""
-    names = _key_names(pool)
+    """([(key, dtype)] of each layer's pages, [(key, dtype)] of each layer's static scales), in the
+    order the sender's PageLayout sends them."""
+    names, codes = _key_names(pool), transfer_dtypes()
     nk, ns = int(layout[0]), int(layout[1])
     if not (
         0 < nk <= len(names) and 0 <= ns <= len(pool.replica_components) and 2 + 2 * (nk + ns) <= LAYOUT_LEN
     ):
         raise ValueError(f"page transfer layout out of range: {layout.tolist()}")
     pairs = layout[2 : 2 + 2 * (nk + ns)].view(-1, 2).tolist()
-    if any(not (0 <= i < len(names) and 0 <= d < len(WIRE_DTYPES)) for i, d in pairs):
+    if any(not (0 <= i < len(names) and 0 <= d < len(codes)) for i, d in pairs):
         raise ValueError(f"page transfer layout names an unknown key or type: {layout.tolist()}")
-    got = [(names[i], WIRE_DTYPES[d]) for i, d in pairs]
+    got = [(names[i], codes[d]) for i, d in pairs]
     if any(is_page_scale_key(k) for k, _ in got[nk:]):
         raise ValueError("page transfer layout: a static scale of a per-token scale")
     return got[:nk], got[nk:]
@@ -367,13 +352,13 @@ def _read_layout(pool: KVPagePool, layout: torch.Tensor) -> tuple[list[tuple], l
 def _send_pages(pool: KVPagePool, pages, dst: int, group: ParallelGroup) -> None:
     """Send ``pages`` (layers, static scales) to rank ``dst``: their layout first, then each tensor."""
     dist.send(_layout(pool, *pages), dst=dst, group=group.cpu)
-    for t in _tensor_list(*pages):
+    for t in PageLayout.of_pages(*pages).tensors(*pages):
         dist.send(_raw(t), dst=dst, group=group.cpu)
 
 
 def _recv_pages(pool: KVPagePool, n: int, h: int, src: int, group: ParallelGroup):
     """``n`` pages of ``h`` KV heads sent by rank ``src`` (the layout its _send_pages describes:
-    a handoff payload may hold another format than ``pool``), in _tensor_list order."""
+    a handoff payload may hold another format than ``pool``), in its PageLayout's order."""
     layout = torch.zeros(LAYOUT_LEN, dtype=torch.long)
     dist.recv(layout, src=src, group=group.cpu)
     keys, skeys = _read_layout(pool, layout)

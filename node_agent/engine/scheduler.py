@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages, PageRef
-from pagoda.node_agent.engine.prefix_hash import page_hashes
 from pagoda.node_agent.engine.sequence import SeqStatus, Sequence
+from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages, PageRef
+from pagoda.node_agent.kv.prefix_index import page_hashes
 
 log = logging.getLogger("pagoda.scheduler")
 

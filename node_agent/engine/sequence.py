@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.node_agent.engine.kv_pool import PageRef
+from pagoda.node_agent.kv.pool import PageRef
 
 _arrival = itertools.count()
 

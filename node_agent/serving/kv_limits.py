@@ -15,23 +15,10 @@ from typing import Any
 
 import torch
 
-from pagoda.vocabulary import handoff_allowed
+from pagoda.node_agent.kv import formats as kv_formats
+from pagoda.node_agent.kv.formats import TOKEN_SCALE_BYTES
+from pagoda.node_agent.kv.layout import LayoutError, check_page_set
 
-# (kv_format, page dtype) pairs a prefill worker may send: "bf16" pages follow the prefill
-# worker's compute dtype (bfloat16, or float32 with --dtype float32), "fp8_e4m3" pages carry scales
-# (static or per token), "int8" pages per-token scales for every component
-ALLOWED_FORMATS: frozenset[tuple[str, str]] = frozenset(
-    {("bf16", "bfloat16"), ("bf16", "float32"), ("fp8_e4m3", "float8_e4m3fn"), ("int8", "int8")}
-)
-FP8 = "float8_e4m3fn"
-INT8 = "int8"
-_ELEM = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "int8": torch.int8,
-}
 HEADER_KEYS = frozenset(
     {
         "ticket",
@@ -55,7 +42,7 @@ HEADER_KEYS = frozenset(
 # layer, sent inside each PAGE frame after the values); absent or [] when every scale is static.
 # int8 pages must name every component.
 OPTIONAL_HEADER_KEYS = frozenset({"page_scales"})
-PAGE_SCALE_ELEM = 2  # bfloat16
+PAGE_SCALE_ELEM = TOKEN_SCALE_BYTES  # bfloat16
 MAX_ID_CHARS = 256  # ticket and request id
 HEADER_SLACK = 8192  # bytes of a header besides its token ids
 
@@ -79,7 +66,9 @@ class KVLimits:
     max_model_len: int
     generator_state_len: int  # bytes of a torch CPU generator state
     free_pages: Callable[[], int] = field(compare=False)
-    formats: frozenset[tuple[str, str]] = ALLOWED_FORMATS
+    # (kv_format, page dtype name) pairs a prefill worker may send (kv/formats.py): "bf16" pages
+    # follow the sender's compute dtype (bfloat16, or float32 with --dtype float32)
+    formats: frozenset[tuple[str, str]] = field(default_factory=kv_formats.wire_pairs)
     frame_timeout_s: float = 10.0  # one frame must arrive within this
     handoff_deadline_s: float = 60.0  # the whole handoff must arrive within this
     max_handoffs: int = 8  # concurrent connections; more are answered "busy" at once
@@ -96,7 +85,9 @@ class KVLimits:
             max_model_len=engine.max_model_len,
             generator_state_len=int(torch.Generator().get_state().numel()),
             free_pages=lambda: pool.num_free,
-            formats=frozenset(f for f in ALLOWED_FORMATS if handoff_allowed(f[0], pool.kv_format)),
+            formats=frozenset(
+                f for f in kv_formats.wire_pairs() if kv_formats.handoff_allowed(f[0], pool.kv_format)
+            ),
             **kw,
         )
 
@@ -110,7 +101,8 @@ class KVLimits:
     def page_bytes(self, dtype: str, page_scales: list[str] | tuple[str, ...] = ()) -> int:
         """Bytes of one PAGE frame's data (every layer and component) in ``dtype``, with the
         per-token scales of the ``page_scales`` components."""
-        per = sum(math.prod(self.page_shape(c)) for c in self.components) * _ELEM[dtype]
+        elem = kv_formats.wire_dtype(dtype).itemsize
+        per = sum(math.prod(self.page_shape(c)) for c in self.components) * elem
         per += sum(self.page_size * self.component_shapes[c][0] for c in page_scales) * PAGE_SCALE_ELEM
         return self.num_layers * per
 
@@ -136,11 +128,14 @@ class KVLimits:
 
     @property
     def max_frame(self) -> int:
-        pages = (
-            max(self.page_bytes(dt, self.components if dt in (FP8, INT8) else ()) for _, dt in self.formats)
-            + 4
-        )
+        pages = max(self.page_bytes(dt, self.components if _scaled(f) else ()) for f, dt in self.formats) + 4
         return max(self.max_header_bytes, pages, self.scales_bytes, self.generator_state_len)
+
+
+def _scaled(kv_format: str) -> bool:
+    """Whether pages of ``kv_format`` may carry per-token scales (the largest PAGE frame has them)."""
+    fmt = kv_formats.find(kv_format)
+    return fmt is not None and fmt.token_scales != kv_formats.NO_TOKEN_SCALES
 
 
 def _int(h: dict[str, Any], key: str, lo: int, hi: int) -> int:
@@ -195,12 +190,7 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
         raise HeaderError("KV header: page_shape must name every component")
     for c in limits.components:
         _shape(shapes[c], limits.page_shape(c), f"page_shape[{c}]")
-    page_scales = header_page_scales(h, limits)
-    if page_scales and dtype not in (FP8, INT8):
-        raise HeaderError("KV header: page_scales are for float8 and int8 pages only")
-    if dtype == INT8 and page_scales != limits.components:
-        raise HeaderError(f"KV header: int8 pages need page_scales for every component {limits.components}")
-    static = [c for c in limits.components if c not in page_scales] if dtype == FP8 else []
+    static = header_static_scales(h, limits)
     has_scales = h["has_scales"]
     if type(has_scales) is not bool or has_scales != bool(static):
         raise HeaderError(
@@ -225,6 +215,28 @@ def check_header(h: Any, limits: KVLimits, available_pages: int) -> None:
         raise NoRoom(f"KV header: {n} pages do not fit the {available_pages} free decode pages")
 
 
+# how a header words the page-set rules of kv/layout.py (tests pin these texts)
+_HEADER_RULES = {
+    LayoutError.DTYPE: "KV header: kv_format/dtype {fmt}/{dtype} is not accepted",
+    LayoutError.UNSCALED: "KV header: page_scales are for float8 and int8 pages only",
+    LayoutError.EVERY: "KV header: {fmt} pages need page_scales for every component {comps}",
+}
+
+
+def header_static_scales(h: dict[str, Any], limits: KVLimits) -> list[str]:
+    """The components whose scales the header's SCALES frame carries (after its page_scales are
+    checked against the format's rules)."""
+    page_scales = header_page_scales(h, limits)
+    try:
+        layout = check_page_set(h["kv_format"], h["dtype"], limits.components, page_scales)
+    except LayoutError as exc:
+        msg = _HEADER_RULES[exc.rule]
+        raise HeaderError(
+            msg.format(fmt=exc.format.name, dtype=h["dtype"], comps=limits.components)
+        ) from None
+    return list(layout.static_scaled)
+
+
 def header_page_scales(h: dict[str, Any], limits: KVLimits) -> list[str]:
     """The header's ``page_scales`` (absent: none): distinct components of this model."""
     v = h.get("page_scales", [])
@@ -236,4 +248,5 @@ def header_page_scales(h: dict[str, Any], limits: KVLimits) -> list[str]:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    """The torch dtype of a page dtype name on the wire (kv/formats.py)."""
+    return kv_formats.wire_dtype(name)

@@ -58,17 +58,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.engine.kv_pool import is_page_scale_key, page_scale_key
+from pagoda.node_agent.kv.layout import PageLayout
+from pagoda.node_agent.kv.storage import is_page_scale_key
 from pagoda.node_agent.serving.internal_auth import MAC_BYTES, InternalAuth
 from pagoda.node_agent.serving.kv_limits import (
-    PAGE_SCALE_ELEM,
     HeaderError,
     KVLimits,
     NoRoom,
     check_header,
     header_page_scales,
+    header_static_scales,
     torch_dtype,
 )
 
@@ -140,15 +140,9 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _components(p: KVPayload) -> tuple[list[str], list[str]]:
-    """(the payload's components, those of them with per-token scales beside the pages)."""
-    keys = list(p.layers[0]) if p.layers else []
-    comps = [c for c in keys if not is_page_scale_key(c)]
-    return comps, [c for c in comps if page_scale_key(c) in keys]
-
-
 def header_of(ticket: str, p: KVPayload, gen_len: int) -> dict[str, Any]:
-    comps, page_scales = _components(p)
+    layout = PageLayout.of_pages(p.layers, p.scales)
+    comps = list(layout.components)
     first = p.layers[0][comps[0]] if comps else None
     header = {
         "ticket": ticket,
@@ -163,12 +157,12 @@ def header_of(ticket: str, p: KVPayload, gen_len: int) -> dict[str, Any]:
         "dtype": str(first.dtype).removeprefix("torch.") if first is not None else "float32",
         "page_shape": {c: list(p.layers[0][c].shape[1:]) for c in comps},
         "has_scales": p.scales is not None,
-        "scale_shape": {c: list(p.scales[0][c].shape) for c in comps if c in p.scales[0]} if p.scales else {},
+        "scale_shape": {c: list(p.scales[0][c].shape) for c in layout.static_scaled} if p.scales else {},
         "generator_state_len": gen_len,
         "num_cached_tokens": p.num_cached_tokens,
     }
-    if page_scales:
-        header["page_scales"] = page_scales
+    if layout.page_scaled:
+        header["page_scales"] = list(layout.page_scaled)
     return header
 
 
@@ -180,16 +174,15 @@ def header_frame(auth: InternalAuth, header: dict[str, Any]) -> bytes:
 
 def payload_frames(ticket: str, p: KVPayload, auth: InternalAuth) -> list[bytes]:
     """The frames of one handoff (header, pages, scales, generator state, end)."""
-    comps, page_scales = _components(p)
-    keys = comps + [page_scale_key(c) for c in page_scales]  # per layer: values, then per-token scales
+    layout = PageLayout.of_pages(p.layers, p.scales)  # per layer: values, then per-token scales
     gen = _bytes(p.generator_state) if p.generator_state is not None else b""
     frames = [header_frame(auth, header_of(ticket, p, len(gen)))]
     for i in range(p.num_pages):
-        parts = [_U32.pack(i)] + [_bytes(layer[c][i]) for layer in p.layers for c in keys]
+        parts = [_U32.pack(i)] + [_bytes(t[i]) for layer in p.layers for t in layout.layer_tensors(layer)]
         frames.append(encode_frame(PAGE, b"".join(parts)))
     if p.scales is not None:
-        static = [c for c in comps if c in p.scales[0]]
-        frames.append(encode_frame(SCALES, b"".join(_bytes(s[c].float()) for s in p.scales for c in static)))
+        static = layout.tensors([], p.scales)  # every layer's static scales, component by component
+        frames.append(encode_frame(SCALES, b"".join(_bytes(t.float()) for t in static)))
     if gen:
         frames.append(encode_frame(GENSTATE, gen))
     frames.append(encode_frame(END, _U32.pack(p.num_pages)))
@@ -208,7 +201,8 @@ class _Assembler:
         self.n: int = header["num_pages"]
         self.dtype_name: str = header["dtype"]
         self.page_scales: list[str] = header_page_scales(header, limits)
-        self.static = [c for c in limits.components if c not in self.page_scales]
+        self.static = header_static_scales(header, limits)
+        self.layout = PageLayout(tuple(limits.components), tuple(self.page_scales), tuple(self.static))
         self.page_bytes = limits.page_bytes(self.dtype_name, self.page_scales)
         self.pages: dict[int, bytes] = {}
         self.scales_body: bytes | None = None
@@ -258,42 +252,8 @@ class _Assembler:
 
     def build(self) -> KVPayload:
         """The payload (run in a worker thread: it copies every page once)."""
-        n, lim = self.n, self.limits
-        flat = np.empty((n, self.page_bytes), dtype=np.uint8)
-        for i in range(n):
-            flat[i] = np.frombuffer(self.pages.pop(i), dtype=np.uint8, offset=4)
-        dtype = torch_dtype(self.dtype_name)
-        elem = torch.empty((), dtype=dtype).element_size()
-        comps = lim.components
-        sizes = {c: int(np.prod(lim.page_shape(c))) * elem for c in comps}
-        t, off, layers = torch.from_numpy(flat), 0, []
-        for _ in range(lim.num_layers):
-            d = {}
-            for c in comps:
-                d[c] = t[:, off : off + sizes[c]].contiguous().view(dtype).reshape(n, *lim.page_shape(c))
-                off += sizes[c]
-            for c in self.page_scales:
-                size = math.prod(lim.page_scale_shape(c)) * PAGE_SCALE_ELEM
-                rows = t[:, off : off + size].contiguous().view(TOKEN_SCALE_DTYPE)
-                d[page_scale_key(c)] = rows.reshape(n, *lim.page_scale_shape(c))
-                off += size
-                if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
-                    raise TransferError("KV per-token scales must be finite and non-negative", "invalid")
-            layers.append(d)
-        del t, flat
-        scales = None
-        if self.scales_body is not None:
-            vals = torch.from_numpy(np.frombuffer(self.scales_body, dtype=np.float32).copy())
-            if not bool(torch.isfinite(vals).all()) or not bool((vals > 0).all()):
-                raise TransferError("KV scales must be finite and positive", "invalid")
-            scales, off = [], 0
-            for _ in range(lim.num_layers):
-                d = {}
-                for c in self.static:
-                    k = lim.scale_shape(c)[0]
-                    d[c] = vals[off : off + k].clone()
-                    off += k
-                scales.append(d)
+        layers = self._pages()
+        scales = self._scales()
         gen = None
         if self.gen_body is not None:
             gen = torch.from_numpy(np.frombuffer(self.gen_body, dtype=np.uint8).copy())
@@ -313,6 +273,46 @@ class _Assembler:
             gen,
             h["num_cached_tokens"],
         )
+
+    def _pages(self) -> list[dict[str, torch.Tensor]]:
+        """Every layer's page tensors cut out of the PAGE frames, in the layout's order."""
+        n, lim = self.n, self.limits
+        flat = np.empty((n, self.page_bytes), dtype=np.uint8)
+        for i in range(n):
+            flat[i] = np.frombuffer(self.pages.pop(i), dtype=np.uint8, offset=4)
+        dtype = torch_dtype(self.dtype_name)
+        t, off, layers = torch.from_numpy(flat), 0, []
+        for _ in range(lim.num_layers):
+            d = {}
+            for key in self.layout.page_keys:
+                shape = PageLayout.page_shape(key, lim.page_size, lim.component_shapes)
+                kd = PageLayout.key_dtype(key, dtype)
+                size = math.prod(shape) * kd.itemsize
+                d[key] = t[:, off : off + size].contiguous().view(kd).reshape(n, *shape)
+                off += size
+                if is_page_scale_key(key) and (
+                    not bool(torch.isfinite(d[key]).all()) or bool((d[key] < 0).any())
+                ):
+                    raise TransferError("KV per-token scales must be finite and non-negative", "invalid")
+            layers.append(d)
+        return layers
+
+    def _scales(self) -> list[dict[str, torch.Tensor]] | None:
+        """Every layer's static per-head scales from the SCALES frame (None: it has none)."""
+        if self.scales_body is None:
+            return None
+        vals = torch.from_numpy(np.frombuffer(self.scales_body, dtype=np.float32).copy())
+        if not bool(torch.isfinite(vals).all()) or not bool((vals > 0).all()):
+            raise TransferError("KV scales must be finite and positive", "invalid")
+        scales, off = [], 0
+        for _ in range(self.limits.num_layers):
+            d = {}
+            for c in self.layout.static_scaled:
+                k = self.limits.scale_shape(c)[0]
+                d[c] = vals[off : off + k].clone()
+                off += k
+            scales.append(d)
+        return scales
 
 
 # ---------------------------------------------------------------------- the transport interface

@@ -71,7 +71,7 @@ def test_small_prefill_chunks_equal(make_engine, prompts, reference):
 @pytest.mark.slow
 def test_preemption_under_tiny_kv_budget_keeps_output(make_engine, prompts, reference):
     # 8 sequences of ~50-60 tokens need ~30 pages; give the pool 12 pages so decode must preempt.
-    from pagoda.node_agent.engine.kv_pool import KVPagePool
+    from pagoda.node_agent.kv.pool import KVPagePool
 
     probe = make_engine(kv_memory=1 << 20)
     per_page = KVPagePool.bytes_per_page(

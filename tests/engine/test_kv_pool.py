@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from pagoda.node_agent.engine.kv_pool import KVPagePool, OutOfPages
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
 
 COMPS = {"k": (2, 8), "v": (2, 8)}
 
@@ -72,7 +72,7 @@ def test_fp8_capacity_is_twice_bf16_with_scales_and_tags():
 
 def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
     """Finished, aborted, preempted and stop-string requests all give their pages back."""
-    from pagoda.node_agent.engine.kv_pool import KVPagePool as Pool
+    from pagoda.node_agent.kv.pool import KVPagePool as Pool
 
     probe = make_engine(kv_memory=1 << 20)
     per_page = Pool.bytes_per_page(

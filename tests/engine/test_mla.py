@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
 

@@ -11,10 +11,10 @@ import torch
 
 from pagoda.kernels.moe import make_expert_stack
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
-from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.moe import MoeMLP
 
 # float32 end to end (router included); paged attention and the grouped expert GEMMs reorder sums.

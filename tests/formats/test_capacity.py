@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagoda.node_agent.bench.formats import kv_capacity
-from pagoda.node_agent.engine.kv_pool import KVPagePool
 from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
+from pagoda.node_agent.kv.pool import KVPagePool
 
 
 @pytest.mark.parametrize("budget", [8 << 20, 64 << 20, 1 << 30])

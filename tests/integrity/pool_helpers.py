@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
 from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.kv.pool import KVPagePool, PageRef
 
 PAGE = 4
 

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagoda.node_agent.engine.integrity import TagTracker
-from pagoda.node_agent.engine.kv_pool import OutOfPages
 from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.kv.pool import OutOfPages
 
 from .pool_helpers import small_pool
 

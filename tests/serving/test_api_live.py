@@ -194,7 +194,7 @@ def test_queue_full_answers_429_with_retry_after(stack) -> None:
 def test_an_integrity_abort_is_an_error_never_text(stack) -> None:
     """A page's tag changes under a running request (simulated stale mapping): the engine fails the
     request closed, and the API returns an error, not partial text."""
-    from pagoda.node_agent.engine.kv_pool import PageRef
+    from pagoda.node_agent.kv.pool import PageRef
 
     eng = stack.engine
     original = eng.integrity.check
