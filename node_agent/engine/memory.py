@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig
+from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.layers import PHASES, prequantized_format
+from pagoda.vocabulary import PHASE_DEFAULTS
 
 log = logging.getLogger("pagoda.engine")
 
@@ -152,6 +154,13 @@ def check_weights_fit(
         )
 
 
+def _one_byte_kv_formats() -> list[str]:
+    """The registered KV formats with 1-byte elements, the decode default first."""
+    one = [n for n in kv_formats.names(wire=True) if kv_formats.get(n).dtype is not None]
+    one = [n for n in one if kv_formats.get(n).element_bytes(torch.float32) == 1]
+    return sorted(one, key=lambda n: n != PHASE_DEFAULTS["decode"]["kv"])
+
+
 def check_pool_fits(
     *,
     name: str,
@@ -189,6 +198,6 @@ def check_pool_fits(
     if must_hold_sequence:
         raise ConfigError(
             f"{msg}: raise the KV budget (--kv-memory / --kv-memory-fraction), lower --max-model-len to "
-            f"at most {tokens}, or use 1-byte KV (int8 or fp8_e4m3)"
+            f"at most {tokens}, or use 1-byte KV ({' or '.join(_one_byte_kv_formats())})"
         )
     log.warning("%s: a request needing more than %d tokens is refused", msg, tokens)
