@@ -296,7 +296,7 @@ def is_follower(a: argparse.Namespace) -> bool:
     """Whether this process is a tensor-parallel rank other than 0 (a worker host's first rank)."""
     if a.role == "router" or a.tensor_parallel <= 1:
         return False
-    from pagoda.node_agent.engine.parallel_group import rendezvous
+    from pagoda.node_agent.engine.parallel.group import rendezvous
 
     return rendezvous(engine_config_from_args(a).parallel).rank != 0
 

@@ -35,8 +35,8 @@ from pagoda.node_agent.engine.kv_setup import PoolBuilder, kv_components
 from pagoda.node_agent.engine.memory import check_weights_fit, estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
-from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
-from pagoda.node_agent.engine.parallel_steps import Follower, ParallelDriver
+from pagoda.node_agent.engine.parallel.group import ParallelGroup, ReplicaFailure
+from pagoda.node_agent.engine.parallel.steps import Follower, ParallelDriver
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence

@@ -28,7 +28,7 @@ def build_model(
     config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, group=None
 ) -> LlamaForCausalLM:
     """The model with each phase's weight format (a single-phase worker holds only its phase's).
-    With a tensor-parallel ``group`` (engine/parallel_group.py): this rank's slice of it."""
+    With a tensor-parallel ``group`` (engine/parallel/group.py): this rank's slice of it."""
     formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
     if config.role in formats:
         formats = dict.fromkeys(formats, formats[config.role])

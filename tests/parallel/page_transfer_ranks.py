@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from pagoda.node_agent.engine.handoff import convert_into, extract_pages
 from pagoda.node_agent.engine.kv_pool import KVPagePool, PageRef
-from pagoda.node_agent.engine.parallel_steps import Follower, ParallelDriver
+from pagoda.node_agent.engine.parallel.steps import Follower, ParallelDriver
 
 LAYERS, PAGES, PAGE, DIM = 2, 6, 4, 8
 FP8 = torch.float8_e4m3fn

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig, ParallelConfig, PhaseFormats
-from pagoda.node_agent.engine.parallel_group import ReplicaFailure
+from pagoda.node_agent.engine.parallel.group import ReplicaFailure
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.serving.launch import wait_ready
 
