@@ -55,8 +55,9 @@ class Postprocessor:
         if seq.finished:
             self.scheduler.decode_pool.release_all(seq.block_table)
             seq.block_table = []
+            out = state.output(finished=True)
             self.stats.requests_finished += 1
-            return [state.output(finished=True)]
+            return [out]
         self.scheduler.add_running(seq)
         self.requests[seq.request_id] = state
         return []
