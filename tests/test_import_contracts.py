@@ -43,3 +43,56 @@ sys.exit(1 if loaded else 0)
 """
     proc = run_python("-c", code, cwd=tmp_path)
     assert proc.returncode == 0, f"the operator loaded:\n{proc.stdout}\n{proc.stderr}"
+
+
+# torch.distributed stays behind the replica object (engine/parallel/); the models' collectives
+# (models/parallel.py) sit below the engine and take the process group they are handed
+DISTRIBUTED_ALLOWED = ("node_agent/engine/parallel/", "node_agent/models/parallel.py")
+
+
+def distributed_uses(path: Path) -> list[int]:
+    """Lines of ``path`` that import torch.distributed or reach it as ``torch.distributed``."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (
+            (node.module or "").startswith("torch.distributed")
+            or (node.module == "torch" and any(a.name == "distributed" for a in node.names))
+        ):
+            lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "distributed"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "torch"
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_parallel_package_uses_torch_distributed() -> None:
+    found = {}
+    for folder in ("pagoda", "operator", "node_agent", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if not rel.startswith(DISTRIBUTED_ALLOWED) and (lines := distributed_uses(path)):
+                found[rel] = lines
+    assert (ROOT / DISTRIBUTED_ALLOWED[0] / "group.py").is_file()  # the allowed place exists
+    assert not found, f"torch.distributed outside engine/parallel/: {found}"
+
+
+def test_the_distributed_check_sees_every_spelling(tmp_path: Path) -> None:
+    spellings = [
+        "import torch.distributed as dist",
+        "from torch.distributed import all_reduce",
+        "from torch import distributed",
+        "import torch\ntorch.distributed.barrier()",
+    ]
+    for i, code in enumerate(spellings):
+        (tmp_path / f"m{i}.py").write_text(code + "\n")
+        assert distributed_uses(tmp_path / f"m{i}.py"), code
+    (tmp_path / "ok.py").write_text("import torch\n# torch.distributed in a comment\nx = torch.zeros(1)\n")
+    assert distributed_uses(tmp_path / "ok.py") == []

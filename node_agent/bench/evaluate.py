@@ -128,7 +128,7 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[floa
 
 def kv_bytes_per_token(engine) -> float:
     """Bytes per token and layer of the engine's decode KV pool (values and per-token scales)."""
-    pool = engine.pool
+    pool = engine.decode_pool
     per_page = pool.bytes_per_page(
         pool.num_layers, pool.page_size, pool.components, pool.dtype, pool.token_scaled
     )

@@ -237,7 +237,7 @@ def bench_kv(
         mem = budget if (f != "bf16" or dt == TRUE_BF16) else caps[f]["pages"] * per_page
         kv = PhaseFormats("bf16", f, "bf16", f)
         engines[f] = make(formats=kv, kv_memory=mem, max_num_seqs=max(cmax, 1))
-        assert engines[f].pool.num_pages == caps[f]["pages"], (f, engines[f].pool.num_pages)
+        assert engines[f].decode_pool.num_pages == caps[f]["pages"], (f, engines[f].decode_pool.num_pages)
     del probe
     variants = []
     for c in concurrency:

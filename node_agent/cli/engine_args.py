@@ -96,7 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """One model replica over several ranks (torch.distributed; engine/parallel_group.py)."""
+    """One model replica over several ranks (torch.distributed; engine/parallel/group.py)."""
     p.add_argument(
         "--tensor-parallel",
         type=int,

@@ -283,8 +283,7 @@ def exit_on_fatal(engine) -> Callable[[str], None]:
 
         def leave() -> None:
             time.sleep(FATAL_FLUSH_S)
-            if engine.group is not None:
-                engine.group.terminate_children(grace_s=0.5)
+            engine.replica.terminate_children(grace_s=0.5)
             os._exit(EXIT_REPLICA_FAILED)
 
         threading.Thread(target=leave, name="pagoda-fatal", daemon=True).start()
@@ -296,7 +295,7 @@ def is_follower(a: argparse.Namespace) -> bool:
     """Whether this process is a tensor-parallel rank other than 0 (a worker host's first rank)."""
     if a.role == "router" or a.tensor_parallel <= 1:
         return False
-    from pagoda.node_agent.engine.parallel_group import rendezvous
+    from pagoda.node_agent.engine.parallel.group import rendezvous
 
     return rendezvous(engine_config_from_args(a).parallel).rank != 0
 
@@ -330,7 +329,7 @@ def serve_follower(a: argparse.Namespace) -> int:
     cfg.role = a.role
     engine = LLMEngine(cfg)
     state["joined"] = True
-    print(f"pagoda serve: tensor-parallel rank {engine.group.rank} following rank 0", flush=True)
+    print(f"pagoda serve: tensor-parallel rank {engine.replica.rank} following rank 0", flush=True)
     code = engine.follow()
     state["joined"] = False
     httpd.shutdown()

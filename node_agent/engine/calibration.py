@@ -45,7 +45,7 @@ def linear_input_grams(engine, text: str = CALIBRATION_TEXT) -> tuple[dict, int]
 
     For dense Llama-family layers (four distinct linear inputs per layer); anything else raises."""
 
-    ids = engine.tokenizer.encode(text)[: engine.pool.capacity_tokens]
+    ids = engine.tokenizer.encode(text)[: engine.decode_pool.capacity_tokens]
     sinks: list[list] = []
     saved: list[tuple[object, dict]] = []
     try:

@@ -114,7 +114,7 @@ MAX_TENSOR_PARALLEL = 64
 @dataclass
 class ParallelConfig:
     """One model replica over several ranks (torch.distributed): tensor parallelism for attention
-    and dense MLPs, expert parallelism for routed experts (engine/parallel_group.py)."""
+    and dense MLPs, expert parallelism for routed experts (engine/parallel/group.py)."""
 
     tensor_parallel: int = 1  # ranks of the replica, all hosts together
     nodes: int = 1  # hosts of the replica, each running tensor_parallel / nodes ranks

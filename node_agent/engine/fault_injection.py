@@ -136,17 +136,17 @@ class FaultInjector:
         """Tensor parallelism: move one page's tag on tensor-parallel rank ``rank`` alone (as if that
         rank had missed or doubled an allocation); the request must fail on every rank."""
         seq = self._seq(request_id)
-        tp = self.engine.tp
-        if tp is None or not 0 < rank < tp.group.world:
+        replica = self.engine.replica
+        if not 0 < rank < replica.world:
             raise FaultInjectionError(f"no tensor-parallel rank {rank} other than 0 in this replica")
         s = _slot(seq, slot, self.rng)
         ref = seq.block_table[s]
-        tp.drift_tag(rank, self.engine.scheduler.pool_of(seq), ref.page)
+        replica.drift_tag(rank, self.engine.scheduler.pool_of(seq), ref.page)
         return self._record(Fault("drift_rank_tag", request_id, s, ref.page, ref.tag, ref.tag))
 
     def corrupt_sealed_page(self, page: int | None = None) -> Fault:
         """Change the bytes of a page in the prefix cache (any cached page when ``page`` is None)."""
-        pool = self.engine.scheduler.pool
+        pool = self.engine.scheduler.prefill_pool
         if page is None:
             if not pool.page_hash:
                 raise FaultInjectionError("the prefix cache holds no sealed page")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from pagoda.kernels.linear import int4_cpu_compute
@@ -28,7 +30,7 @@ def build_model(
     config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device, group=None
 ) -> LlamaForCausalLM:
     """The model with each phase's weight format (a single-phase worker holds only its phase's).
-    With a tensor-parallel ``group`` (engine/parallel_group.py): this rank's slice of it."""
+    With a tensor-parallel ``group`` (engine/parallel/group.py): this rank's slice of it."""
     formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
     if config.role in formats:
         formats = dict.fromkeys(formats, formats[config.role])
@@ -73,25 +75,41 @@ def context_limit(config: EngineConfig, mc: ModelConfig) -> int:
     return min(limit, mc.sliding_window) if mc.sliding_window else limit
 
 
+def _slot_mapping(
+    pages: torch.Tensor, seqs: list[Sequence], pos: torch.Tensor, row: torch.Tensor, ps: int
+) -> torch.Tensor:
+    """The KV slot (page * page size + offset) of each token at ``pos`` of sequence ``row``."""
+    block = pos // ps
+    mapped = torch.tensor([len(s.block_table) for s in seqs], dtype=torch.long)
+    if bool((block >= mapped[row]).any()):  # never write through a table's 0-padding
+        raise RuntimeError("a scheduled token has no KV page mapped in its block table")
+    at = pages.device
+    return pages.long()[row.to(at), block.to(at)] * ps + (pos % ps).to(at)
+
+
+class Replica(Protocol):
+    """Where the model runs: one process, or every rank of a tensor-parallel replica
+    (engine/parallel/replica.py)."""
+
+    def run_model(
+        self, model, batch: StepBatch, pool: KVPagePool, weights_phase: str | None, logits: bool
+    ): ...
+
+
 class ModelRunner:
     """Owns the model; builds StepBatch metadata and returns sampled tokens."""
 
-    def __init__(self, model: LlamaForCausalLM, kernel_backend: str | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, kernel_backend: str | None, replica: Replica) -> None:
         self.model = model
         self.device = model.device
         self.kernel_backend = kernel_backend
-        self.driver = None  # tensor parallel rank 0: sends each batch to the other ranks first
+        self.replica = replica  # tensor parallel: rank 0 sends each batch to the other ranks first
 
     def forward(
         self, batch: StepBatch, pool: KVPagePool, weights_phase: str | None = None, logits: bool = True
     ):
         """Run the model on ``batch`` (on every rank of a tensor-parallel replica); logits or None."""
-        if self.driver is not None:
-            return self.driver.run_model(batch, pool, weights_phase, logits)
-        if not logits:
-            self.model.forward_no_logits(batch)
-            return None
-        return self.model.forward(batch, weights_phase=weights_phase)
+        return self.replica.run_model(self.model, batch, pool, weights_phase, logits)
 
     def build_batch(
         self,
@@ -134,13 +152,7 @@ class ModelRunner:
             first = torch.tensor(cu[:-1], dtype=torch.long)
             pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - first, lens_t)
             pos = pos + torch.arange(n_tok)
-        ps = pool.page_size
-        block = pos // ps
-        mapped = torch.tensor([len(s.block_table) for s in step.seqs], dtype=torch.long)
-        if bool((block >= mapped[row]).any()):  # never write through a table's 0-padding
-            raise RuntimeError("a scheduled token has no KV page mapped in its block table")
-        at = pages.device
-        slots = pages.long()[row.to(at), block.to(at)] * ps + (pos % ps).to(at)
+        slots = _slot_mapping(pages, step.seqs, pos, row, pool.page_size)
         batch = StepBatch(
             phase=step.phase,
             kv=pool,

@@ -54,12 +54,13 @@ class Scheduler:
     """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
 
     def __init__(
-        self, config: SchedulerConfig, pool: KVPagePool, decode_pool: KVPagePool | None = None
+        self, config: SchedulerConfig, prefill_pool: KVPagePool, decode_pool: KVPagePool | None = None
     ) -> None:
         self.config = config
-        self.pool = pool  # the prefill pool: prompt chunks and the prefix cache live here
-        self.decode_pool = decode_pool or pool  # decode reads/writes here (the same pool when formats match)
-        self.pools = {pool.name: pool, self.decode_pool.name: self.decode_pool}
+        self.prefill_pool = prefill_pool  # prompt chunks and the prefix cache live here
+        # decode reads/writes here (the same pool when formats match)
+        self.decode_pool = decode_pool or prefill_pool
+        self.pools = {prefill_pool.name: prefill_pool, self.decode_pool.name: self.decode_pool}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._last_phase = "decode"
@@ -95,14 +96,14 @@ class Scheduler:
         self.free_pages(seq)
 
     def pool_of(self, seq: Sequence) -> KVPagePool:
-        return self.pools.get(seq.pool_name, self.pool)
+        return self.pools.get(seq.pool_name, self.prefill_pool)
 
     def in_decode_pool(self, seq: Sequence) -> bool:
         return self.pool_of(seq) is self.decode_pool
 
     def free_pages(self, seq: Sequence) -> None:
         self.pool_of(seq).release_all(seq.block_table)
-        seq.pool_name = self.pool.name
+        seq.pool_name = self.prefill_pool.name
         seq.block_table = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0
@@ -124,9 +125,11 @@ class Scheduler:
                 self._last_phase = "decode"
                 return step
         holders = [
-            s for s in self.running if s.block_table and self.pool_of(s) is self.pool and s.needs_prefill
+            s
+            for s in self.running
+            if s.block_table and self.pool_of(s) is self.prefill_pool and s.needs_prefill
         ]
-        if len(holders) > 1 and self.pool.num_free == 0:
+        if len(holders) > 1 and self.prefill_pool.num_free == 0:
             # prefills hold pages but none can grow: free the newest and retry (it is recomputed later)
             self._preempt(max(holders, key=lambda s: s.arrival))
             return self.schedule()
@@ -141,13 +144,13 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            n = self._reserve(seq, n, self.pool)
+            n = self._reserve(seq, n, self.prefill_pool)
             if n > 0:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
         # 2) admit waiting sequences while budget, seats and pages (above the watermark) allow
-        watermark = int(self.config.watermark * self.pool.num_pages)
+        watermark = int(self.config.watermark * self.prefill_pool.num_pages)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -155,14 +158,14 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(budget, remaining)
             need = self._pages_needed(seq, n)
-            if self.pool.num_free - need < watermark and self.running:
+            if self.prefill_pool.num_free - need < watermark and self.running:
                 break
-            if self.decode_pool is not self.pool and self.running:
+            if self.decode_pool is not self.prefill_pool and self.running:
                 # the prompt moves to the decode pool when its prefill ends: it must fit there too
                 dmark = int(self.config.watermark * self.decode_pool.num_pages)
                 if self.decode_pool.num_free - self._pages_for(seq.num_tokens + 1) < dmark:
                     break
-            n = self._reserve(seq, n, self.pool)
+            n = self._reserve(seq, n, self.prefill_pool)
             if n <= 0:
                 break
             self.waiting.popleft()
@@ -200,7 +203,7 @@ class Scheduler:
     # ------------------------------------------------------------------ pages
 
     def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.pool.page_size)
+        return -(-tokens // self.prefill_pool.page_size)
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         return max(0, self._pages_for(seq.num_computed_tokens + n) - len(seq.block_table))
@@ -219,14 +222,14 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Map cached full pages of the prompt (never the page holding the last token)."""
-        seq.pool_name = self.pool.name
+        seq.pool_name = self.prefill_pool.name
         if not self.config.enable_prefix_caching:
             return
-        ps = self.pool.page_size
+        ps = self.prefill_pool.page_size
         usable = (seq.num_tokens - 1) // ps
         hits: list[PageRef] = []
         for h in page_hashes(seq.all_token_ids[: usable * ps], ps, seq.cache_salt):
-            ref = self.pool.lookup(h)
+            ref = self.prefill_pool.lookup(h)
             if ref is None:
                 break
             hits.append(ref)
@@ -240,9 +243,9 @@ class Scheduler:
 
     def seal_full_pages(self, seq: Sequence) -> None:
         """Index the sequence's full pages in the prefix cache (which lives in the prefill pool)."""
-        if not self.config.enable_prefix_caching or self.pool_of(seq) is not self.pool:
+        if not self.config.enable_prefix_caching or self.pool_of(seq) is not self.prefill_pool:
             return
-        ps = self.pool.page_size
+        ps = self.prefill_pool.page_size
         done = len(seq.page_hashes)
         full = seq.num_computed_tokens // ps
         if full <= done:
@@ -251,7 +254,7 @@ class Scheduler:
         tokens = seq.all_token_ids[done * ps : full * ps]
         for i, h in enumerate(page_hashes(tokens, ps, seq.cache_salt, parent), start=done):
             seq.page_hashes.append(h)
-            self.pool.seal(seq.block_table[i].page, h)
+            self.prefill_pool.seal(seq.block_table[i].page, h)
 
     def _newest_in_decode_pool(self) -> Sequence:
         return max(
@@ -260,7 +263,7 @@ class Scheduler:
 
     def awaiting_migration(self) -> list[Sequence]:
         """Prefilled sequences whose pages still sit in the prefill pool (oldest first)."""
-        if self.decode_pool is self.pool:
+        if self.decode_pool is self.prefill_pool:
             return []
         return sorted(
             (s for s in self.running if not s.needs_prefill and not self.in_decode_pool(s)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,3 +49,24 @@ class EngineState:
     stats: EngineStats
     # the model's weight_bytes(): bytes by part, "linear", "total" and "by_format" (models/weight_bytes.py)
     weight_breakdown: dict[str, Any] = field(default_factory=dict)
+
+
+def engine_state(engine) -> EngineState:
+    """The snapshot of an ``LLMEngine`` (``LLMEngine.state()``)."""
+    return EngineState(
+        model=engine.config.model,
+        formats=engine.config.formats.as_dict(),
+        pools=[
+            KVPoolState(name, p.num_pages, p.num_used, p.page_size, p.capacity_tokens, p.kv_format)
+            for name, p in engine.pools().items()
+        ],
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        integrity_mode=engine.integrity.mode,
+        integrity=dataclasses.asdict(engine.integrity.counters),
+        weight_bytes=engine._weight_bytes,
+        weight_breakdown=engine._weight_breakdown,
+        prefix_hit_tokens=engine.scheduler.prefix_hit_tokens,
+        preemptions=engine.scheduler.num_preemptions,
+        stats=dataclasses.replace(engine.stats, step_seconds=dict(engine.stats.step_seconds)),
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
-from pagoda.node_agent.engine.parallel_group import ReplicaFailure
+from pagoda.node_agent.engine.parallel.group import ReplicaFailure
 from pagoda.node_agent.engine.prompts import Prompt
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics

@@ -76,7 +76,7 @@ class KVLimits:
     @classmethod
     def for_engine(cls, engine: Any, **kw: Any) -> KVLimits:
         """The limits of an LLMEngine's decode pool."""
-        pool = engine.pool
+        pool = engine.decode_pool
         return cls(
             num_layers=pool.num_layers,
             page_size=pool.page_size,

@@ -78,7 +78,7 @@ def test_logits_match_transformers(tiny_model):
     arch, model, engine = tiny_model
     assert engine.model_config.arch == {"llama3_rope": "llama", "linear_rope": "qwen2"}.get(arch, arch)
     ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
-    assert len(ids) > engine.pool.page_size  # spans several pages
+    assert len(ids) > engine.decode_pool.page_size  # spans several pages
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits[0].float()
     got = engine.score(ids, phase="prefill")
@@ -103,7 +103,7 @@ def _decode_logits(engine, ids: list[int]) -> torch.Tensor:
     from pagoda.node_agent.engine.scheduler import ScheduledStep
     from pagoda.node_agent.engine.sequence import Sequence
 
-    runner, pool = engine.runner, engine.pool
+    runner, pool = engine.runner, engine.decode_pool
     seq = Sequence("native-check", ids, SamplingParams(max_tokens=1))
     seq.block_table = pool.allocate_pages(-(-len(ids) // pool.page_size))
     try:

@@ -55,12 +55,12 @@ def reference(engine, prompts):
 
 def test_all_at_once_equals_one_at_a_time(engine, prompts, reference):
     assert run_all_at_once(engine, prompts) == reference
-    engine.pool.check_idle()
+    engine.decode_pool.check_idle()
 
 
 def test_staggered_arrivals_equal_one_at_a_time(engine, prompts, reference):
     assert run_staggered(engine, prompts) == reference
-    engine.pool.check_idle()
+    engine.decode_pool.check_idle()
 
 
 def test_small_prefill_chunks_equal(make_engine, prompts, reference):
@@ -78,8 +78,8 @@ def test_preemption_under_tiny_kv_budget_keeps_output(make_engine, prompts, refe
         probe.model_config.num_layers, 16, kv_components(probe.model_config), probe.dtype
     )
     eng = make_engine(kv_memory=12 * per_page, max_num_batched_tokens=64)
-    assert eng.pool.num_pages == 12
+    assert eng.decode_pool.num_pages == 12
     got = run_all_at_once(eng, prompts)
     assert eng.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     assert got == reference
-    eng.pool.check_idle()
+    eng.decode_pool.check_idle()

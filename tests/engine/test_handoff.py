@@ -26,8 +26,8 @@ def test_prefill_decode_handoff_matches_single_engine(make_engine):
         got = decode.run_until_done()[did]
         assert got.token_ids == want[rid].token_ids
         assert got.text == want[rid].text
-    prefill.pool.check_idle() if not prefill.pool.evictable else None
-    decode.pool.check_idle()
+    prefill.decode_pool.check_idle() if not prefill.decode_pool.evictable else None
+    decode.decode_pool.check_idle()
 
 
 def test_handoff_whose_first_token_ends_the_request_still_reports(make_engine):
@@ -39,4 +39,4 @@ def test_handoff_whose_first_token_ends_the_request_still_reports(make_engine):
     did = decode.add_prefilled(payload, params)
     final = decode.run_until_done()
     assert final[did].finish_reason == "length" and final[did].token_ids == [payload.first_token]
-    decode.pool.check_idle()
+    decode.decode_pool.check_idle()

@@ -46,8 +46,8 @@ def prefilled(engine, params: SamplingParams = GREEDY, prompt: str = PROMPT) -> 
 
 
 def assert_no_trace(engine) -> None:
-    assert engine.pool.num_used == 0
-    engine.pool.check_idle()
+    assert engine.decode_pool.num_used == 0
+    engine.decode_pool.check_idle()
     assert not engine._requests and not engine._ready and not engine.scheduler.has_work()
 
 
@@ -256,24 +256,26 @@ def test_valid_handoff_decodes_token_for_token_like_one_engine(engines):
 def test_capacity_is_checked_before_allocating(engines):
     pre, dec = engines[0], engines[2]
     payload = prefilled(pre)
-    hold = dec.pool.allocate_pages(dec.pool.num_free - payload.num_pages + 1)
+    hold = dec.decode_pool.allocate_pages(dec.decode_pool.num_free - payload.num_pages + 1)
     try:
         with pytest.raises(CapacityError, match="free pages"):
             dec.add_prefilled(payload, GREEDY)
-        assert dec.pool.num_used == len(hold) and not dec._requests
+        assert dec.decode_pool.num_used == len(hold) and not dec._requests
     finally:
-        dec.pool.release_all(hold)
+        dec.decode_pool.release_all(hold)
     rids = [dec.add_prefilled(clone(payload, request_id="seat0"), GREEDY)]
     with pytest.raises(RequestError, match="already in flight"):
         dec.add_prefilled(clone(payload, request_id="seat0"), GREEDY)
     rids.append(dec.add_prefilled(clone(payload, request_id="seat1"), GREEDY))
-    used = dec.pool.num_used
+    used = dec.decode_pool.num_used
     with pytest.raises(CapacityError, match="max_num_seqs"):
         dec.add_prefilled(clone(payload, request_id="third"), GREEDY)
-    assert dec.pool.num_used == used
+    assert dec.decode_pool.num_used == used
     assert set(dec.run_until_done()) == set(rids)
     with pytest.raises(RequestError, match="decode KV cache capacity"):
-        dec.add_prefilled(payload, SamplingParams(max_tokens=dec.pool.capacity_tokens, temperature=0.0))
+        dec.add_prefilled(
+            payload, SamplingParams(max_tokens=dec.decode_pool.capacity_tokens, temperature=0.0)
+        )
     assert_no_trace(dec)
 
 
@@ -324,6 +326,6 @@ def test_check_payload_accepts_what_payload_of_builds(engines):
     pre, pre8, dec = engines
     for engine in (pre, pre8):
         p = prefilled(engine, SEEDED)
-        n = handoff.check_payload(p, dec.pool, dec.model_config.vocab_size, dec.max_model_len)
-        assert n == p.num_pages == -(-len(p.prompt_token_ids) // dec.pool.page_size)
+        n = handoff.check_payload(p, dec.decode_pool, dec.model_config.vocab_size, dec.max_model_len)
+        assert n == p.num_pages == -(-len(p.prompt_token_ids) // dec.decode_pool.page_size)
         assert p.generator_state.numel() == GENERATOR_STATE_BYTES

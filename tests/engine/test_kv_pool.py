@@ -79,7 +79,7 @@ def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
         probe.model_config.num_layers, 16, kv_components(probe.model_config), probe.dtype
     )
     eng = make_engine(kv_memory=10 * per_page, max_num_batched_tokens=32)
-    tags_before = list(eng.pool._tags)
+    tags_before = list(eng.decode_pool._tags)
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "ember"]
     rids = []
@@ -106,11 +106,11 @@ def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
                 assert out is None or out.finish_reason == "abort"
     assert set(finals) | aborted == set(rids)
     assert eng.scheduler.num_preemptions > 0
-    eng.scheduler.pool.clear_prefix_cache()
-    eng.pool.check_idle()
-    changed = [p for p, t in enumerate(eng.pool._tags) if t != tags_before[p]]
-    assert len(changed) == eng.pool.num_pages  # every page was (re)allocated at least once
-    assert eng.pool.allocations > eng.pool.num_pages
+    eng.scheduler.prefill_pool.clear_prefix_cache()
+    eng.decode_pool.check_idle()
+    changed = [p for p, t in enumerate(eng.decode_pool._tags) if t != tags_before[p]]
+    assert len(changed) == eng.decode_pool.num_pages  # every page was (re)allocated at least once
+    assert eng.decode_pool.allocations > eng.decode_pool.num_pages
 
 
 def test_per_token_k_scales_live_beside_the_pages_and_keep_195x():

@@ -109,7 +109,7 @@ def test_structure_and_latent_pages(tiny_mla):
     assert [isinstance(layer.mlp, MoeMLP) for layer in engine.model.layers] == [False, True, True]
     assert all(isinstance(layer.mla, MlaAttention) for layer in engine.model.layers)
     assert kv_components(mc) == {"latent": (1, 32), "rope_k": (1, 8)}
-    assert engine.pool.layers[0]["latent"].shape[1:] == (engine.pool.page_size, 1, 32)
+    assert engine.decode_pool.layers[0]["latent"].shape[1:] == (engine.decode_pool.page_size, 1, 32)
     # softmax scale: (16 + 8) ** -0.5 * (0.1 * ln 4 + 1) ** 2
     assert mc.mla.softmax_scale == pytest.approx(
         24**-0.5 * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2
@@ -120,7 +120,7 @@ def test_structure_and_latent_pages(tiny_mla):
 def test_logits_match_transformers(tiny_mla, phase):
     model, engine, _ = tiny_mla
     ids = engine.tokenize(PROMPTS[1] * 3)
-    assert len(ids) > 2 * engine.pool.page_size  # spans several pages
+    assert len(ids) > 2 * engine.decode_pool.page_size  # spans several pages
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits[0].float()
     got = engine.score(ids, phase=phase)
@@ -154,7 +154,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_output(tiny_mla, hf_outputs)
     final = small.run_until_done()
     assert small.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     assert [final[r].token_ids for r in rids] == hf_outputs
-    small.pool.check_idle()
+    small.decode_pool.check_idle()
 
 
 def test_cli_generate_matches_transformers(tiny_mla, capsys):
@@ -206,8 +206,8 @@ def fp8_engines(tiny_mla):
 def test_fp8_latent_pages_are_calibrated_per_layer_and_component(tiny_mla, fp8_engines):
     _, ref, _ = tiny_mla
     both, _, _ = fp8_engines
-    assert both.pool.kv_format == "fp8_e4m3" and both.prefill_pool.dtype == torch.float32
-    for scales in both.pool.scales:
+    assert both.decode_pool.kv_format == "fp8_e4m3" and both.prefill_pool.dtype == torch.float32
+    for scales in both.decode_pool.scales:
         assert set(scales) == {"latent", "rope_k"}
         assert all(
             s.shape == (1,) and bool(torch.isfinite(s).all()) and float(s) > 0 for s in scales.values()
@@ -246,7 +246,7 @@ def test_latent_pages_migrate_and_hand_off_bf16_to_fp8(fp8_engines):
     for ids, rid in zip(prompts, rids, strict=True):
         did = decode.add_prefilled(_prefill_payload(prefill, ids), PARAMS)
         assert decode.run_until_done()[did].token_ids == want[rid].token_ids
-    decode.pool.check_idle()
+    decode.decode_pool.check_idle()
 
 
 def test_latent_pages_cross_the_kv_transport(fp8_engines):
@@ -286,7 +286,7 @@ def test_latent_pages_cross_the_kv_transport(fp8_engines):
         rid = decode.add_prefilled(payload, PARAMS)
         outs.append(decode.run_until_done()[rid].token_ids)
     assert outs[1] == outs[0] and len(outs[0]) == PARAMS.max_tokens
-    decode.pool.check_idle()
+    decode.decode_pool.check_idle()
 
 
 def test_a_payload_of_gqa_pages_is_refused_by_an_mla_decode_worker(fp8_engines):
@@ -300,7 +300,7 @@ def test_a_payload_of_gqa_pages_is_refused_by_an_mla_decode_worker(fp8_engines):
     gqa = [{c: torch.zeros(n, 16, 4, 8) for c in ("k", "v")} for _ in good.layers]
     with pytest.raises(RequestError, match="latent|rope_k|component"):
         decode.add_prefilled(replace(good, layers=gqa), PARAMS)
-    decode.pool.check_idle()  # refused before anything was allocated
+    decode.decode_pool.check_idle()  # refused before anything was allocated
 
 
 def test_bad_mla_configs_and_missing_weights_fail_at_load(tiny_mla, tmp_path):

@@ -132,7 +132,7 @@ def test_structure_follows_the_config(tiny_moe):
 def test_logits_match_transformers(tiny_moe):
     arch, model, engine, _ = tiny_moe
     ids = engine.tokenize(PROMPTS[1] * 2)
-    assert len(ids) > engine.pool.page_size  # spans several pages
+    assert len(ids) > engine.decode_pool.page_size  # spans several pages
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits[0].float()
     got = engine.score(ids, phase="prefill")
@@ -186,7 +186,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_output(tiny_moe):
     final = small.run_until_done()
     assert small.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     assert [final[r].token_ids for r in rids] == reference, arch
-    small.pool.check_idle()
+    small.decode_pool.check_idle()
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -70,7 +70,7 @@ def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
     from pagoda.kernels.cpu_decode_layer_native import page_modes, run_decode_layers
 
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
-    native, pool = engine.model.native, engine.pool  # the decode pool
+    native, pool = engine.model.native, engine.decode_pool  # the decode pool
     assert native is not None
     pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
     pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
@@ -97,7 +97,7 @@ def test_nan_in_a_projection_falls_back_to_the_torch_path(make_engine, monkeypat
     if not vnni_available():
         pytest.skip("the VNNI INT4 kernel does not run here (the float32 kernel passes NaN through)")
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
-    native, pool = engine.model.native, engine.pool
+    native, pool = engine.model.native, engine.decode_pool
     pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
     pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
     d = native.specs[0].c.d

@@ -28,7 +28,7 @@ def _bytes(layers, n):
 
 def test_migrated_pages_equal_fp8_written_directly(fp8_kv_engine) -> None:
     eng = fp8_kv_engine
-    src, dst = eng.prefill_pool, eng.pool
+    src, dst = eng.prefill_pool, eng.decode_pool
     assert src.kv_format == "bf16" and dst.kv_format == "fp8_e4m3" and src is not dst
     ids = eng.tokenize(TEXT)
     n = len(ids)

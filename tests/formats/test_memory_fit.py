@@ -51,8 +51,10 @@ def test_an_automatic_budget_must_hold_one_max_length_sequence(make_engine, buil
 def test_a_configured_budget_shorter_than_a_sequence_serves_with_a_warning(make_engine, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="pagoda.engine"):
         engine = make_engine(kv_memory=2 << 20, max_model_len=256)
-    assert engine.pool.capacity_tokens < 256
-    assert f"a request needing more than {engine.pool.capacity_tokens} tokens is refused" in caplog.text
+    assert engine.decode_pool.capacity_tokens < 256
+    assert (
+        f"a request needing more than {engine.decode_pool.capacity_tokens} tokens is refused" in caplog.text
+    )
 
 
 def test_weight_estimate_matches_what_the_built_model_holds(builtin_loaded, engine, int4_fp8_engine) -> None:

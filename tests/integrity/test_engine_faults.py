@@ -50,7 +50,7 @@ def test_injected_faults_fail_only_their_request(faulty, baseline, kind, trials)
         for rid, out in final.items():
             if rid != victim:
                 assert out.finish_reason == "length" and out.token_ids == baseline[rid], (t, rid)
-        faulty.pool.check_idle()
+        faulty.decode_pool.check_idle()
     assert faulty.scheduler.num_preemptions == 0 and reads
     c = faulty.integrity.counters
     assert c.requests_aborted >= trials and c.mismatches >= trials

@@ -43,7 +43,7 @@ def test_audit_fails_a_request_reusing_a_corrupted_page_and_recovers(make_engine
     assert fault.page not in eng.prefill_pool.page_hash  # never handed out again
     again = run_all(eng, [prompt], prefix="d")["d0"]
     assert again.finish_reason == "length" and again.token_ids == first.token_ids
-    eng.pool.check_idle()
+    eng.decode_pool.check_idle()
 
 
 def test_audit_verifies_handoff_payloads(make_engine):
@@ -59,4 +59,4 @@ def test_audit_verifies_handoff_payloads(make_engine):
     with pytest.raises(IntegrityError, match="handoff pages \\[0\\]"):
         eng.add_prefilled(payload, params, request_id="bad")
     assert eng.integrity.counters.checksum_mismatches == 1
-    eng.pool.check_idle()
+    eng.decode_pool.check_idle()

@@ -143,4 +143,4 @@ def test_engine_with_preemption_and_prefix_sharing_never_aborts(make_engine):
     assert eng.scheduler.num_preemptions > 0 and eng.scheduler.prefix_hit_tokens > 0
     c = eng.integrity.counters
     assert c.checks > 0 and c.mismatches == 0 and c.requests_aborted == 0
-    eng.pool.check_idle()
+    eng.decode_pool.check_idle()

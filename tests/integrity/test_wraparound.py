@@ -37,14 +37,14 @@ def test_tags_wrap_and_old_mappings_never_match_again():
 
 def test_engine_runs_across_the_wrap(make_engine):
     eng = make_engine(kv_memory=12 << 20, enable_prefix_caching=False)
-    for p in range(eng.pool.num_pages):
-        _set_tag(eng.pool, p, TAG_MAX - 1)
+    for p in range(eng.decode_pool.num_pages):
+        _set_tag(eng.decode_pool, p, TAG_MAX - 1)
     first = run_all(eng)  # pages go to 2**31 - 1, then wrap to 1 as the free list cycles
     runs = 1
-    while 1 not in eng.pool._tags and runs < 20:
+    while 1 not in eng.decode_pool._tags and runs < 20:
         again = run_all(eng, prefix=f"r{runs}-")
         assert [o.token_ids for o in again.values()] == [o.token_ids for o in first.values()]
         runs += 1
-    assert max(eng.pool._tags) == TAG_MAX and 1 in eng.pool._tags
+    assert max(eng.decode_pool._tags) == TAG_MAX and 1 in eng.decode_pool._tags
     assert eng.integrity.counters.mismatches == 0
-    eng.pool.check_idle()
+    eng.decode_pool.check_idle()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.node_agent.engine.handoff import convert_into, extract_pages
-from pagoda.node_agent.engine.parallel_steps import Follower, ParallelDriver
+from pagoda.node_agent.engine.parallel.steps import Follower, ParallelDriver
 from pagoda.node_agent.kv.pool import KVPagePool, PageRef
 
 LAYERS, PAGES, PAGE, DIM = 2, 6, 4, 8

@@ -9,7 +9,7 @@ import signal
 import time
 from types import SimpleNamespace
 
-from pagoda.node_agent.engine.parallel_group import ParallelGroup
+from pagoda.node_agent.engine.parallel.group import ParallelGroup
 
 
 def test_a_stopped_rank_is_killed_and_reaped():

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig, ParallelConfig, PhaseFormats
-from pagoda.node_agent.engine.parallel_group import ReplicaFailure
+from pagoda.node_agent.engine.parallel.group import ReplicaFailure
 from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.serving.launch import wait_ready
 
@@ -60,7 +60,7 @@ def test_a_tag_mismatch_on_one_rank_fails_that_request_on_every_rank(make_engine
         assert "rank 1" in done[victim].error and "failing closed" in done[victim].error
         assert done[other].token_ids == reference[prompts[1]]  # its batch mate is untouched
         assert engine.integrity.counters.mismatches == before + 1
-        assert engine.pool.num_used == 0  # the failed request's pages went back on rank 0
+        assert engine.decode_pool.num_used == 0  # the failed request's pages went back on rank 0
         assert tokens(engine, prompts[:1]) == {prompts[0]: reference[prompts[0]]}  # still serving
     finally:
         engine.close()
@@ -72,10 +72,10 @@ def test_a_killed_rank_fails_the_replica_naming_it(make_engine):
         engine.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True))
         for _ in range(3):
             engine.step()
-        child = engine.group.children[1]
+        child = engine.replica.group.children[1]
         os.kill(child.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        time.sleep(engine.tp.keepalive_s)
+        time.sleep(engine.replica.driver.keepalive_s)
         with pytest.raises(ReplicaFailure) as err:  # the idle loop's keepalive vote finds it
             engine.tick()
         assert time.monotonic() - t0 < TIMEOUT_S + 5

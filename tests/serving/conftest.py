@@ -32,7 +32,7 @@ def offline_greedy(engine, prompts: list[str], chat: list[dict]) -> tuple[dict[s
     ids = {engine.add_request(x, p): x for x in prompts}
     chat_id = engine.add_request(chat, p, chat=True)
     final = engine.run_until_done()
-    engine.pool.check_idle()
+    engine.decode_pool.check_idle()
     return {ids[i]: final[i].text for i in ids}, final[chat_id].text
 
 
@@ -45,7 +45,7 @@ def stack(make_engine):
 
     engine = make_engine(kv_memory=24 << 20, max_num_seqs=16, max_model_len=512)
     offline, offline_chat = offline_greedy(engine, PROMPTS, CHAT)
-    engine.pool.clear_prefix_cache()
+    engine.decode_pool.clear_prefix_cache()
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="builtin://smollm2-135m")
     ap.add_argument("--no-prefix-caching", action="store_true")

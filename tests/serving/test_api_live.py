@@ -293,7 +293,7 @@ def test_health_ready_and_metrics_names(stack) -> None:
     ):
         assert f"{name}{{" in text and 'pool="both"' in text, name
     m = metrics(stack.url)
-    assert metric_sum(m, "pagoda_kv_capacity_tokens") == stack.engine.pool.capacity_tokens
+    assert metric_sum(m, "pagoda_kv_capacity_tokens") == stack.engine.decode_pool.capacity_tokens
     assert metric_sum(m, "pagoda_generation_tokens_total") > 0
     assert metric_sum(m, "pagoda_integrity_checks_total") > 0
     assert 'decode_kv="bf16"' in text and 'integrity="enforce"' in text

@@ -15,7 +15,7 @@ control group) is a fixed int64 header and an int64 body; no object is ever unpi
 - NOOP: a keepalive vote, so an idle replica still notices a rank that died; FAULT: a test-only tag
   drift on one rank; STOP: the workers exit.
 
-A worker records each instruction it finished (parallel_group.ParallelGroup.ack). Any collective
+A worker records each instruction it finished (parallel.group.ParallelGroup.ack). Any collective
 error or timeout on rank 0 becomes a ReplicaFailure naming the rank; the replica cannot continue.
 """
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pagoda.kernels.integrity import check_page_tags
 from pagoda.node_agent.engine.handoff import convert_into, extract_pages
-from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailure
+from pagoda.node_agent.engine.parallel.group import ParallelGroup, ReplicaFailure
 from pagoda.node_agent.kv.layout import PageLayout, transfer_dtypes
 from pagoda.node_agent.kv.pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.models.batch import StepBatch
