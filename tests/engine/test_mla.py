@@ -254,9 +254,9 @@ def test_latent_pages_cross_the_kv_transport(fp8_engines):
     bit-exact and decodes as the in-process handoff does."""
     import asyncio
 
-    from pagoda.node_agent.serving.internal_auth import InternalAuth
-    from pagoda.node_agent.serving.kv_limits import KVLimits
-    from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+    from pagoda.node_agent.serving.worker.kv_limits import KVLimits
+    from pagoda.node_agent.serving.worker.kv_transport import TcpKVReceiver, TcpKVSender
 
     _, prefill, decode = fp8_engines
     ids = decode.tokenize(PROMPTS[3])

@@ -6,7 +6,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError
-from pagoda.node_agent.serving.async_engine import (
+from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.protocol import ApiError
+from pagoda.node_agent.serving.worker.async_engine import (
     AsyncEngine,
     EngineDead,
     QueueFull,
@@ -15,8 +17,6 @@ from pagoda.node_agent.serving.async_engine import (
     Submission,
     TooManyChoices,
 )
-from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
-from pagoda.node_agent.serving.protocol import ApiError
 
 RETRY_AFTER_S = 1
 

@@ -24,7 +24,7 @@ from pagoda.node_agent.engine.output import RequestOutput
 from pagoda.node_agent.engine.parallel_group import ReplicaFailure
 from pagoda.node_agent.engine.prompts import Prompt
 from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
-from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot, ServeMetrics
 
 log = logging.getLogger("pagoda.async_engine")
 

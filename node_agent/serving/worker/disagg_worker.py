@@ -37,15 +37,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
-from pagoda.node_agent.serving.api_server import read_body
-from pagoda.node_agent.serving.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed
-from pagoda.node_agent.serving.backend import StreamChunk
-from pagoda.node_agent.serving.internal_auth import InternalAuth
-from pagoda.node_agent.serving.kv_limits import KVLimits
-from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
-from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S, busy_error, request_error
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import ApiError
+from pagoda.node_agent.serving.api.api_server import read_body
+from pagoda.node_agent.serving.api.backend import StreamChunk
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.api.protocol import ApiError
+from pagoda.node_agent.serving.worker.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed
+from pagoda.node_agent.serving.worker.kv_limits import KVLimits
+from pagoda.node_agent.serving.worker.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
+from pagoda.node_agent.serving.worker.local_backend import RETRY_AFTER_S, busy_error, request_error
 
 log = logging.getLogger("pagoda.disagg")
 
