@@ -39,13 +39,14 @@ from pagoda.node_agent.engine.parallel_group import ParallelGroup, ReplicaFailur
 from pagoda.node_agent.engine.parallel_steps import Follower, ParallelDriver
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, KVPoolState
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.loader import LoadedModel, load_model
 from pagoda.node_agent.models.parallel import head_ranges
 from pagoda.node_agent.models.step_ops import enable_compile
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.params import PROMPT, CapacityError, RequestError, SamplingParams
 
 log = logging.getLogger("pagoda.engine")
 
@@ -255,11 +256,13 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; the model length is {self.max_model_len} "
-                f"(prompt + at least one new token must fit)"
+                f"(prompt + at least one new token must fit)",
+                PROMPT,
             )
         if len(ids) + 1 > self.prefill_pool.capacity_tokens:
             raise RequestError(
-                f"prompt has {len(ids)} tokens; the prefill KV pool holds {self.prefill_pool.capacity_tokens}"
+                f"prompt has {len(ids)} tokens; the prefill KV pool holds {self.prefill_pool.capacity_tokens}",
+                PROMPT,
             )
         need = len(ids) + min(params.max_tokens, self.max_model_len - len(ids))
         if prefill_only:
@@ -267,7 +270,8 @@ class LLMEngine:
         if need > self.pool.capacity_tokens:
             raise RequestError(
                 f"prompt + max_tokens ({need} tokens) exceeds the KV cache capacity "
-                f"({self.pool.capacity_tokens} tokens)"
+                f"({self.pool.capacity_tokens} tokens)",
+                PROMPT,
             )
         rid = self._new_id(request_id)
         seq = Sequence(rid, ids, params, cache_salt)
@@ -295,7 +299,8 @@ class LLMEngine:
         if need > self.pool.capacity_tokens:
             raise RequestError(
                 f"prompt + max_tokens ({need} tokens) exceeds the decode KV cache capacity "
-                f"({self.pool.capacity_tokens} tokens)"
+                f"({self.pool.capacity_tokens} tokens)",
+                PROMPT,
             )
         if len(self.scheduler.running) >= self.config.max_num_seqs:
             raise CapacityError("decode worker is at max_num_seqs; retry later")
@@ -344,7 +349,7 @@ class LLMEngine:
     def _new_id(self, request_id: str | None) -> str:
         rid = handoff.check_request_id(request_id) if request_id else uuid.uuid4().hex
         if rid in self._requests:
-            raise RequestError(f"request id {rid!r} is already in flight")
+            raise RequestError(f"request id {rid!r} is already in flight", PROMPT)
         return rid
 
     def abort(self, request_id: str, reason: str = "aborted") -> RequestOutput | None:

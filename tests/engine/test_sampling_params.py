@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.sampling import sample
-from pagoda.node_agent.engine.sequence import SEED_MAX, SEED_MIN, RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 
 EXTREME_SEEDS = [SEED_MIN, SEED_MIN + 1, -1, 0, 1, 2**63 - 1, 2**63, SEED_MAX]
 

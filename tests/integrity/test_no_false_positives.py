@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagoda.node_agent.engine.integrity import TagTracker
 from pagoda.node_agent.engine.kv_pool import OutOfPages
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SamplingParams
 
 from .pool_helpers import small_pool
 

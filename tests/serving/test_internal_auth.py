@@ -254,10 +254,10 @@ def test_a_parked_ticket_without_pages_times_out_and_a_handoff_for_it_then_is_re
 
 
 def test_router_admits_a_request_s_choices_together() -> None:
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
     from pagoda.node_agent.serving.api.backend import GenRequest
+    from pagoda.node_agent.serving.api.errors import ApiError
     from pagoda.node_agent.serving.api.metrics import ServeMetrics
-    from pagoda.node_agent.serving.api.protocol import ApiError
     from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
     async def main() -> None:
@@ -286,10 +286,10 @@ def test_router_admits_a_request_s_choices_together() -> None:
 def test_the_router_refuses_what_the_decode_workers_cannot_hold_before_any_prefill(workers) -> None:
     """The decode worker (max_num_seqs 4) reports its room; 5 choices are refused at once with 429,
     and no prompt reaches the prefill worker."""
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
     from pagoda.node_agent.serving.api.backend import GenRequest
+    from pagoda.node_agent.serving.api.errors import ApiError
     from pagoda.node_agent.serving.api.metrics import ServeMetrics, metric_sum, parse_metrics
-    from pagoda.node_agent.serving.api.protocol import ApiError
     from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
     assert signed("GET", workers["decode"], "/internal/state").json()["max_sequences"] == 4

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagoda.node_agent.serving.api.errors import ApiError
 from pagoda.node_agent.serving.api.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_body,

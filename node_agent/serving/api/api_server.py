@@ -32,9 +32,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.node_agent.serving.api.auth import ApiKeys
 from pagoda.node_agent.serving.api.backend import Backend, GenRequest, Handle, StreamChunk
 from pagoda.node_agent.serving.api.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
+from pagoda.node_agent.serving.api.errors import ApiError, RequestFailed
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
 from pagoda.node_agent.serving.api.protocol import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
@@ -44,7 +44,6 @@ from pagoda.node_agent.serving.api.protocol import (
     usage,
 )
 from pagoda.node_agent.serving.api.tenancy import TenantPolicy
-from pagoda.node_agent.serving.worker.async_engine import RequestFailed
 
 log = logging.getLogger("pagoda.api")
 

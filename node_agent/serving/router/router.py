@@ -36,15 +36,13 @@ from typing import Any
 
 import httpx
 
+from pagoda.node_agent.params import params_to_json
 from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, RequestFailed
 from pagoda.node_agent.serving.api.internal_auth import InternalAuth
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
-from pagoda.node_agent.serving.api.protocol import ApiError
 from pagoda.node_agent.serving.router import hashing
 from pagoda.node_agent.serving.router.discovery import DnsTarget, DnsWatch, Resolver, resolve
-from pagoda.node_agent.serving.worker.async_engine import RequestFailed
-from pagoda.node_agent.serving.worker.disagg_worker import params_to_json
-from pagoda.node_agent.serving.worker.local_backend import RETRY_AFTER_S
 
 log = logging.getLogger("pagoda.router")
 
