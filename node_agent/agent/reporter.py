@@ -38,7 +38,7 @@ from pagoda.agent_report import (
     WeightReport,
     to_annotation,
 )
-from pagoda.node_agent.serving.metrics import EngineSnapshot
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot
 
 log = logging.getLogger("pagoda.reporter")
 

@@ -108,7 +108,7 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 def greedy_tokens(engine, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations of chat prompts, batched, a fixed length (EOS ignored)."""
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params, chat=True) for p in prompts]

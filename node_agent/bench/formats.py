@@ -38,9 +38,9 @@ from pagoda.node_agent.bench.decode import run_pagoda_decode
 from pagoda.node_agent.bench.stepping import run_steps
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_components
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.kv.formats import TOKEN_SCALE_BYTES
 from pagoda.node_agent.kv.pool import KVPagePool, storage_dtype
+from pagoda.node_agent.params import SamplingParams
 from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_KV_BUDGET = 64 << 20

@@ -14,8 +14,8 @@ from pagoda.node_agent.cli.eval import add_eval_parser
 from pagoda.node_agent.cli.quantize import add_quantize_parser
 from pagoda.node_agent.cli.serve import add_serve_parser
 from pagoda.node_agent.engine.config import ConfigError
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.models.config import ModelLoadError
+from pagoda.node_agent.params import RequestError, SamplingParams
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -160,10 +160,10 @@ def pool_label(role: str) -> str:
 
 def build_app(a: argparse.Namespace, engine=None):
     """The FastAPI app for ``a.role`` (``engine``: an LLMEngine to reuse instead of loading one)."""
-    from pagoda.node_agent.serving.api_server import ApiSettings, create_app
-    from pagoda.node_agent.serving.auth import ApiKeys
-    from pagoda.node_agent.serving.metrics import ServeMetrics
-    from pagoda.node_agent.serving.tenancy import TenantPolicy
+    from pagoda.node_agent.serving.api.api_server import ApiSettings, create_app
+    from pagoda.node_agent.serving.api.auth import ApiKeys
+    from pagoda.node_agent.serving.api.metrics import ServeMetrics
+    from pagoda.node_agent.serving.api.tenancy import TenantPolicy
 
     api_keys = ApiKeys.from_settings(a.api_keys) if a.role in ("both", "router") else None
     tenancy = TenantPolicy.from_settings(
@@ -177,16 +177,16 @@ def build_app(a: argparse.Namespace, engine=None):
     public = {"api_keys": api_keys, "body_timeout_s": a.body_timeout, "drain_timeout_s": a.drain_timeout}
     if not a.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {a.drain_timeout}")
-    from pagoda.node_agent.serving.internal_auth import auth_for_role
+    from pagoda.node_agent.serving.api.internal_auth import auth_for_role
 
     if a.role == "router":  # flag values first, then credentials, then anything else
-        from pagoda.node_agent.serving.discovery import parse_dns_targets
+        from pagoda.node_agent.serving.router.discovery import parse_dns_targets
 
         prefill_dns = parse_dns_targets(a.prefill_dns, "--prefill-dns")
         decode_dns = parse_dns_targets(a.decode_dns, "--decode-dns")
     internal = auth_for_role(a.role, a.internal_token_file)  # before any model load: fail fast
     if a.role == "router":
-        from pagoda.node_agent.serving.router import Router, RouterSettings
+        from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
         metrics = ServeMetrics(pool_label("router"))
         router = Router(
@@ -215,8 +215,8 @@ def build_app(a: argparse.Namespace, engine=None):
         return create_app(router, settings)
 
     from pagoda.node_agent.engine.llm_engine import LLMEngine
-    from pagoda.node_agent.serving.async_engine import AsyncEngine
-    from pagoda.node_agent.serving.metrics import ServeMetrics
+    from pagoda.node_agent.serving.api.metrics import ServeMetrics
+    from pagoda.node_agent.serving.worker.async_engine import AsyncEngine
 
     if engine is None:
         cfg = engine_config_from_args(a)
@@ -232,11 +232,11 @@ def build_app(a: argparse.Namespace, engine=None):
     settings.on_shutdown.append(_async(aeng.stop))
     _add_reporter(a, settings, aeng)
     if a.role == "both":
-        from pagoda.node_agent.serving.api_server import create_app
-        from pagoda.node_agent.serving.local_backend import LocalBackend
+        from pagoda.node_agent.serving.api.api_server import create_app
+        from pagoda.node_agent.serving.worker.local_backend import LocalBackend
 
         return create_app(LocalBackend(aeng), settings)
-    from pagoda.node_agent.serving.disagg_worker import DisaggWorker
+    from pagoda.node_agent.serving.worker.disagg_worker import DisaggWorker
 
     worker = DisaggWorker(
         a.role,
@@ -338,7 +338,7 @@ def serve_follower(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then drain (node_agent/serving/drain.py) and return 0."""
-    from pagoda.node_agent.serving.drain import serve
+    from pagoda.node_agent.serving.api.drain import serve
 
     if a.disaggregated:
         return run_disaggregated(a)

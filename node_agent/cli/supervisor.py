@@ -38,8 +38,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from pagoda.node_agent.serving.internal_auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
-from pagoda.node_agent.serving.internal_auth import TOKEN_FILE_ENV as INTERNAL_TOKEN_FILE_ENV
+from pagoda.node_agent.serving.api.internal_auth import TOKEN_ENV as INTERNAL_TOKEN_ENV
+from pagoda.node_agent.serving.api.internal_auth import TOKEN_FILE_ENV as INTERNAL_TOKEN_FILE_ENV
 from pagoda.node_agent.serving.launch import stop
 
 log = logging.getLogger("pagoda.supervisor")

@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Collection
 
 from pagoda.node_agent.engine import handoff
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
 from pagoda.node_agent.kv.pool import KVPagePool
+from pagoda.node_agent.params import PROMPT, CapacityError, RequestError, SamplingParams
 
 
 def tokens_needed(num_prompt: int, params: SamplingParams, max_model_len: int) -> int:
@@ -24,7 +24,8 @@ def check_fits(need: int, pool: KVPagePool, what: str) -> None:
     """The one capacity check: ``need`` tokens fit in ``pool`` (called ``what`` in the error)."""
     if need > pool.capacity_tokens:
         raise RequestError(
-            f"prompt + max_tokens ({need} tokens) exceeds the {what} capacity ({pool.capacity_tokens} tokens)"
+            f"prompt + max_tokens ({need} tokens) exceeds the {what} capacity ({pool.capacity_tokens} tokens)",
+            PROMPT,
         )
 
 
@@ -52,11 +53,13 @@ class Admission:
         if n >= self.max_model_len:
             raise RequestError(
                 f"prompt has {n} tokens; the model length is {self.max_model_len} "
-                f"(prompt + at least one new token must fit)"
+                f"(prompt + at least one new token must fit)",
+                PROMPT,
             )
         if n + 1 > self.prefill_pool.capacity_tokens:
             raise RequestError(
-                f"prompt has {n} tokens; the prefill KV pool holds {self.prefill_pool.capacity_tokens}"
+                f"prompt has {n} tokens; the prefill KV pool holds {self.prefill_pool.capacity_tokens}",
+                PROMPT,
             )
         need = n + 1 if prefill_only else tokens_needed(n, params, self.max_model_len)
         check_fits(need, self.decode_pool, "KV cache")
@@ -82,5 +85,5 @@ class Admission:
         """The request's id (validated, or a fresh one); RequestError when it is already in flight."""
         rid = handoff.check_request_id(request_id) if request_id else uuid.uuid4().hex
         if rid in in_flight:
-            raise RequestError(f"request id {rid!r} is already in flight")
+            raise RequestError(f"request id {rid!r} is already in flight", PROMPT)
         return rid

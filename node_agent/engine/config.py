@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads only when a model does: `pagoda serve --role router` never needs it
+    import torch
 
 from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.vocabulary import (
@@ -207,11 +209,15 @@ class EngineConfig:
             )
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

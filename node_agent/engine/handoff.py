@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kernels.fp8_format import TOKEN_SCALE_DTYPE
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence, is_int
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv import formats
 from pagoda.node_agent.kv.layout import LayoutError, PageLayout, check_page_set
 from pagoda.node_agent.kv.pool import KVPagePool, PageRef, is_page_scale_key, page_scale_key
 from pagoda.node_agent.kv.storage import component_of
+from pagoda.node_agent.params import PROMPT, RequestError, SamplingParams, is_int
 
 
 @dataclass
@@ -131,12 +132,13 @@ MAX_REQUEST_ID_CHARS = 256
 GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
 
 
-def check_request_id(rid: object, what: str = "request id") -> str:
-    """A non-empty printable string of at most MAX_REQUEST_ID_CHARS characters; raises RequestError."""
+def check_request_id(rid: object, what: str = "request id", param: str | None = PROMPT) -> str:
+    """A non-empty printable string of at most MAX_REQUEST_ID_CHARS characters; raises RequestError
+    (about ``param``)."""
     if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID_CHARS or not rid.isprintable():
         shown = repr(rid) if isinstance(rid, str) and len(rid) <= 64 else type(rid).__name__
         raise RequestError(
-            f"{what} must be a printable string of 1..{MAX_REQUEST_ID_CHARS} characters, got {shown}"
+            f"{what} must be a printable string of 1..{MAX_REQUEST_ID_CHARS} characters, got {shown}", param
         )
     return rid
 
@@ -156,14 +158,14 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
     a scratch CPU generator accepts): sequences sample with CPU generators on every device."""
     if not isinstance(payload, KVPayload):
         raise RequestError(f"KV payload must be a KVPayload, got {type(payload).__name__}")
-    check_request_id(payload.request_id, "KV payload request_id")
+    check_request_id(payload.request_id, "KV payload request_id", None)
     ids = payload.prompt_token_ids
     if not isinstance(ids, list) or not ids:
-        raise RequestError("KV payload prompt_token_ids must be a non-empty list of token ids")
+        raise RequestError("KV payload prompt_token_ids must be a non-empty list of token ids", PROMPT)
     if not all(is_int(t) and 0 <= t < vocab_size for t in ids):
         bad = [t for t in ids if not (is_int(t) and 0 <= t < vocab_size)][:5]
         raise RequestError(
-            f"KV payload prompt_token_ids: ids must be integers in [0, {vocab_size}), got {bad}"
+            f"KV payload prompt_token_ids: ids must be integers in [0, {vocab_size}), got {bad}", PROMPT
         )
     tok = payload.first_token
     if not is_int(tok) or not 0 <= tok < vocab_size:
@@ -171,7 +173,8 @@ def check_payload(payload: KVPayload, pool: KVPagePool, vocab_size: int, max_mod
     if len(ids) + 1 > max_model_len:
         raise RequestError(
             f"KV payload prompt_token_ids: {len(ids)} tokens + the first token exceed the model length "
-            f"{max_model_len}"
+            f"{max_model_len}",
+            PROMPT,
         )
     cached = payload.num_cached_tokens
     if not is_int(cached) or not 0 <= cached <= len(ids):

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.llm_engine import LLMEngine, RequestOutput
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 
 class LLM:

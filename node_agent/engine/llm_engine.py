@@ -36,11 +36,12 @@ from pagoda.node_agent.engine.output import RequestOutput, RequestState
 from pagoda.node_agent.engine.postprocess import Postprocessor
 from pagoda.node_agent.engine.prompts import Prompt, prompt_token_ids
 from pagoda.node_agent.engine.scheduler import ScheduledStep
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.engine.state import EngineState, EngineStats, engine_state
 from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
 from pagoda.node_agent.models.loader import LoadedModel
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams
 
 log = logging.getLogger("pagoda.engine")
 

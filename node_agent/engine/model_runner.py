@@ -11,7 +11,7 @@ from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.sampling import sample
 from pagoda.node_agent.engine.scheduler import ScheduledStep
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
@@ -24,6 +24,7 @@ from pagoda.node_agent.models.parallel import (
     mlp_units,
     shard_weights,
 )
+from pagoda.node_agent.params import SamplingParams
 
 
 def build_model(

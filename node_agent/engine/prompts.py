@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pagoda.node_agent.engine.sequence import RequestError
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.params import PROMPT, RequestError
 
 Prompt = str | list[int] | list[dict]
 
@@ -18,7 +18,7 @@ def prompt_token_ids(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, chat
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+            raise RequestError(f"token ids out of range [0, {vocab_size}): {bad[:5]}", PROMPT)
     elif isinstance(prompt, str):
         if chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -26,8 +26,8 @@ def prompt_token_ids(tokenizer: Tokenizer, prompt: Prompt, vocab_size: int, chat
             ids = tokenizer.encode(prompt)
     else:
         raise RequestError(
-            f"prompt must be a string, token ids or chat messages, got {type(prompt).__name__}"
+            f"prompt must be a string, token ids or chat messages, got {type(prompt).__name__}", PROMPT
         )
     if not ids or (isinstance(prompt, str) and not prompt):
-        raise RequestError("prompt is empty")
+        raise RequestError("prompt is empty", PROMPT)
     return ids

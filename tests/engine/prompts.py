@@ -16,7 +16,7 @@ PLAIN_PROMPTS = [
 
 def greedy_ids(engine, new_tokens: int) -> list[list[int]]:
     """Greedy token ids of the chat prompts (templated) then the plain ones, in one batch."""
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     rids = [engine.add_request(p, params, chat=True) for p in CHAT_PROMPTS]

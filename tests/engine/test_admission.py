@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from pagoda.node_agent.engine.admission import Admission, check_fits, tokens_needed
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
+from pagoda.node_agent.params import RequestError, SamplingParams
 
 
 def pool(capacity: int) -> SimpleNamespace:

@@ -8,7 +8,7 @@ import torch
 
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 # float32 end to end; paged attention and fused ops reorder sums, so allow a little rounding.
 MAX_ABS_LOGIT_DIFF = 2e-4

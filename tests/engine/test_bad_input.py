@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseFormats, parse_bytes
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.loader import load_model
+from pagoda.node_agent.params import RequestError, SamplingParams
 
 
 def test_empty_prompt(engine):

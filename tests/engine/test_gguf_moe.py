@@ -15,8 +15,8 @@ import torch
 
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.params import SamplingParams
 
 from .test_moe_models import COMMON
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pagoda.node_agent.engine.config import PhaseFormats
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves."]
 

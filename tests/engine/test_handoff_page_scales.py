@@ -10,8 +10,8 @@ from pagoda.kernels.paged_attention import calibrate_head_scales
 from pagoda.node_agent.engine import handoff
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.page_checksum import payload_checksums, pool_page_checksums
-from pagoda.node_agent.engine.sequence import RequestError
 from pagoda.node_agent.kv.pool import KVPagePool
+from pagoda.node_agent.params import RequestError
 
 COMPS = {"k": (2, 8), "v": (2, 8)}
 FP8 = torch.float8_e4m3fn

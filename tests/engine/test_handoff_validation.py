@@ -12,7 +12,7 @@ from pagoda.node_agent.engine import handoff
 from pagoda.node_agent.engine.config import PhaseFormats
 from pagoda.node_agent.engine.handoff import GENERATOR_STATE_BYTES, KVPayload
 from pagoda.node_agent.engine.output import RequestState
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
+from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams
 
 FORMATS = PhaseFormats("bf16", "bf16", "bf16", "fp8_e4m3")  # bf16 prefill pages -> fp8 decode pool
 PROMPT = "Write one sentence about the sea."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 from .prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.kv_setup import kv_components
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
+from pagoda.node_agent.params import SamplingParams
 
 COMPS = {"k": (2, 8), "v": (2, 8)}
 

@@ -12,10 +12,10 @@ import torch
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.params import SamplingParams
 
 # float32 end to end; the absorbed form (W_UK folded into q, W_UV after attention) and the paged
 # gathers reorder sums, nothing else differs.
@@ -254,9 +254,9 @@ def test_latent_pages_cross_the_kv_transport(fp8_engines):
     bit-exact and decodes as the in-process handoff does."""
     import asyncio
 
-    from pagoda.node_agent.serving.internal_auth import InternalAuth
-    from pagoda.node_agent.serving.kv_limits import KVLimits
-    from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+    from pagoda.node_agent.serving.worker.kv_limits import KVLimits
+    from pagoda.node_agent.serving.worker.kv_transport import TcpKVReceiver, TcpKVSender
 
     _, prefill, decode = fp8_engines
     ids = decode.tokenize(PROMPTS[3])
@@ -292,7 +292,7 @@ def test_latent_pages_cross_the_kv_transport(fp8_engines):
 def test_a_payload_of_gqa_pages_is_refused_by_an_mla_decode_worker(fp8_engines):
     from dataclasses import replace
 
-    from pagoda.node_agent.engine.sequence import RequestError
+    from pagoda.node_agent.params import RequestError
 
     _, prefill, decode = fp8_engines
     good = _prefill_payload(prefill, decode.tokenize(PROMPTS[0]))

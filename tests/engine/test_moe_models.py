@@ -13,9 +13,9 @@ from pagoda.kernels.moe import make_expert_stack
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.params import SamplingParams
 
 # float32 end to end (router included); paged attention and the grouped expert GEMMs reorder sums.
 MAX_ABS_LOGIT_DIFF = 1e-3

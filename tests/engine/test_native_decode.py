@@ -9,7 +9,7 @@ import torch
 
 from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
 from pagoda.node_agent.engine.config import PhaseFormats
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 from .prompts import greedy_ids
 

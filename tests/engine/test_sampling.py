@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 
 def run(engine, prompt, params, chat=True):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.sampling import sample
-from pagoda.node_agent.engine.sequence import SEED_MAX, SEED_MIN, RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 
 EXTREME_SEEDS = [SEED_MIN, SEED_MIN + 1, -1, 0, 1, 2**63 - 1, 2**63, SEED_MAX]
 
@@ -39,8 +40,26 @@ def test_bad_max_tokens_is_a_request_error(max_tokens):
     ],
 )
 def test_bad_number_types_are_request_errors(kw, field):
-    with pytest.raises(RequestError, match=field):
+    with pytest.raises(RequestError, match=field) as e:
         SamplingParams(**kw).validate()
+    assert e.value.param == field  # set where it is raised, not read back from the message
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"seed": 2**200}, "seed"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_every_validation_error_carries_its_field(kw, field):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**kw).validate()
+    assert e.value.param == field
 
 
 @pytest.mark.parametrize("seed", [None, *EXTREME_SEEDS])

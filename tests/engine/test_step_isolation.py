@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from pagoda.node_agent.engine.output import RequestOutput
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 HEALTHY = [

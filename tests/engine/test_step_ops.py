@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models import step_ops
 from pagoda.node_agent.models.rope import apply_rope
+from pagoda.node_agent.params import SamplingParams
 
 
 def test_eager_glue_matches_plain_torch():

@@ -7,7 +7,8 @@ import torch
 from pagoda.kernels.paged_attention import write_kv
 from pagoda.node_agent.engine.handoff import extract_pages, migrate
 from pagoda.node_agent.engine.scheduler import ScheduledStep
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SamplingParams
 
 TEXT = "Pages of a key-value cache move from the prefill pool to the decode pool, converted on the way."
 

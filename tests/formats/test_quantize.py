@@ -11,10 +11,10 @@ import torch
 from pagoda.kernels.int4 import Int4Weight, quantize_int4
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models.llama import PhaseLinear
 from pagoda.node_agent.models.loader import load_model
 from pagoda.node_agent.models.quantize import MANIFEST, quantize_checkpoint
+from pagoda.node_agent.params import SamplingParams
 
 from ..engine.prompts import CHAT_PROMPTS
 from .conftest import INT4_FP8

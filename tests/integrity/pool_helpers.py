@@ -6,8 +6,9 @@ import random
 
 import torch
 
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv.pool import KVPagePool, PageRef
+from pagoda.node_agent.params import SamplingParams
 
 PAGE = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda.node_agent.engine.integrity import IntegrityCounters, IntegrityError
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 from .engine_helpers import PARAMS, guard_reads, run_all
 

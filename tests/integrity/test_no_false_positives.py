@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagoda.node_agent.engine.integrity import TagTracker
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv.pool import OutOfPages
+from pagoda.node_agent.params import SamplingParams
 
 from .pool_helpers import small_pool
 

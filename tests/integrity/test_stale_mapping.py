@@ -6,7 +6,8 @@ import random
 
 from pagoda.node_agent.engine.fault_injection import flip_expected_tag, make_stale
 from pagoda.node_agent.engine.integrity import TagTracker, release_owned
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SamplingParams
 
 from .pool_helpers import random_sequences, small_pool
 

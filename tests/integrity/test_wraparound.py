@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pagoda.kernels.integrity import TAG_MAX
 from pagoda.node_agent.engine.integrity import TagTracker
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
+from pagoda.node_agent.params import SamplingParams
 
 from .engine_helpers import run_all
 from .pool_helpers import small_pool

@@ -399,7 +399,7 @@ def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch, decode_kv, 
     The whole-layer native decode (``PAGODA_NATIVE_DECODE``), where present, would run decode
     attention itself: it is off here so that these kernels serve the decode steps."""
     from pagoda.node_agent.engine.config import PhaseFormats
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
 
     monkeypatch.setenv("PAGODA_NATIVE_DECODE", "0")
     served = []

@@ -13,7 +13,7 @@ from pagoda.node_agent.engine import handoff, parallel_steps
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.kv.layout import LayoutError, PageLayout, check_page_set
 from pagoda.node_agent.kv.pool import KVPagePool
-from pagoda.node_agent.serving.kv_transport import PAGE, SCALES, payload_frames
+from pagoda.node_agent.serving.worker.kv_transport import PAGE, SCALES, payload_frames
 
 from ..serving.test_kv_transport import AUTH
 

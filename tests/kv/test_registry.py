@@ -12,12 +12,13 @@ import torch
 from pagoda.kernels.int8_format import int8_token_scales, quantize_int8
 from pagoda.kernels.paged_attention import write_kv
 from pagoda.node_agent.engine import handoff
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv import formats
 from pagoda.node_agent.kv.layout import PageLayout
 from pagoda.node_agent.kv.pool import KVPagePool
-from pagoda.node_agent.serving.kv_limits import KVLimits, check_header
-from pagoda.node_agent.serving.kv_transport import _Assembler, header_of, payload_frames
+from pagoda.node_agent.params import RequestError, SamplingParams
+from pagoda.node_agent.serving.worker.kv_limits import KVLimits, check_header
+from pagoda.node_agent.serving.worker.kv_transport import _Assembler, header_of, payload_frames
 from pagoda.vocabulary import HANDOFFS, KV_CACHE_FORMATS
 
 from ..serving.test_kv_transport import AUTH, GEN_LEN

@@ -30,10 +30,10 @@ import psutil
 import pytest
 
 from pagoda.node_agent.engine.config import PhaseFormats
-from pagoda.node_agent.engine.sequence import SamplingParams
-from pagoda.node_agent.serving.internal_auth import InternalAuth
+from pagoda.node_agent.params import SamplingParams
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import metric_sum
 from pagoda.node_agent.serving.launch import wait_ready
-from pagoda.node_agent.serving.metrics import metric_sum
 
 from ..serving.apps import serve_args
 from ..serving.live import LiveServer, free_port, metrics

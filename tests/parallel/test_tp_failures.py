@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig, ParallelConfig, PhaseFormats
 from pagoda.node_agent.engine.parallel.group import ReplicaFailure
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 from pagoda.node_agent.serving.launch import wait_ready
 
 from ..serving.live import free_port

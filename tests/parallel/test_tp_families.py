@@ -16,9 +16,9 @@ import torch
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats, parse_bytes
 from pagoda.node_agent.engine.llm_engine import LLMEngine
-from pagoda.node_agent.engine.sequence import SamplingParams
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.parallel import make_plan
+from pagoda.node_agent.params import SamplingParams
 
 from ..engine.prompts import CHAT_PROMPTS, PLAIN_PROMPTS
 from .conftest import finish, start_generate

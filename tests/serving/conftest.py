@@ -26,7 +26,7 @@ class Stack:
 
 
 def offline_greedy(engine, prompts: list[str], chat: list[dict]) -> tuple[dict[str, str], str]:
-    from pagoda.node_agent.engine.sequence import SamplingParams
+    from pagoda.node_agent.params import SamplingParams
 
     p = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     ids = {engine.add_request(x, p): x for x in prompts}

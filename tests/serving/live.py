@@ -8,8 +8,8 @@ import time
 import httpx
 import uvicorn
 
+from pagoda.node_agent.serving.api.metrics import metric_sum, parse_metrics
 from pagoda.node_agent.serving.launch import free_port
-from pagoda.node_agent.serving.metrics import metric_sum, parse_metrics
 
 
 class LiveServer:

@@ -14,7 +14,7 @@ import pytest
 from pagoda.agent_report import REPORT_ANNOTATION, REPORT_VERSION, AgentReport, IntegrityReport
 from pagoda.node_agent.agent.reporter import AgentReporter, KubeAuth, ReporterConfig, build_report
 from pagoda.node_agent.engine.state import KVPoolState
-from pagoda.node_agent.serving.metrics import EngineSnapshot
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "operator"))
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .conftest import MODEL
 from .live import wait_idle

@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .apps import read_response
 from .conftest import MODEL

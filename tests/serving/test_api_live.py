@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
 from .live import metrics, wait_idle

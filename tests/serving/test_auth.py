@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from pagoda.node_agent.serving.auth import ApiKeys, ApiKeysError, parse_keys
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.auth import ApiKeys, ApiKeysError, parse_keys
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .apps import live_app, read_response
 from .conftest import MODEL
@@ -240,9 +240,9 @@ def test_a_trusted_gateway_header_separates_and_joins_tenants(gateway) -> None:
 def test_without_keys_or_trust_the_server_says_it_is_single_tenant(caplog) -> None:
     import asyncio
 
-    from pagoda.node_agent.serving.api_server import ApiSettings, log_tenancy
-    from pagoda.node_agent.serving.metrics import ServeMetrics
-    from pagoda.node_agent.serving.tenancy import TenantPolicy
+    from pagoda.node_agent.serving.api.api_server import ApiSettings, log_tenancy
+    from pagoda.node_agent.serving.api.metrics import ServeMetrics
+    from pagoda.node_agent.serving.api.tenancy import TenantPolicy
 
     settings = ApiSettings([MODEL], TenantPolicy.from_settings(None, "s", None), ServeMetrics("both"))
     with caplog.at_level(logging.INFO, logger="pagoda.api"):

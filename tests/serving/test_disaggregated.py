@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from pagoda.node_agent.serving.api.metrics import metric_sum
 from pagoda.node_agent.serving.launch import wait_ready
-from pagoda.node_agent.serving.metrics import metric_sum
 
 from .conftest import CHAT, MAX_TOKENS, MODEL, PROMPTS
 from .live import free_port, metrics
@@ -145,7 +145,7 @@ def test_a_worker_without_the_internal_token_refuses_to_start(role) -> None:
 
 
 def test_the_internal_plane_needs_the_token_but_health_does_not(disagg) -> None:
-    from pagoda.node_agent.serving.internal_auth import HEADER, InternalAuth
+    from pagoda.node_agent.serving.api.internal_auth import HEADER, InternalAuth
 
     dec = disagg["decode"]
     for path in ("/health", "/ready", "/metrics"):

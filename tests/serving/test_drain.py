@@ -25,10 +25,10 @@ import pytest
 import uvicorn
 
 from pagoda.node_agent.cli.supervisor import ChildSpec, RestartPolicy, Supervisor
-from pagoda.node_agent.serving.drain import DrainingServer
-from pagoda.node_agent.serving.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.drain import DrainingServer
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import metric_sum, parse_metrics
 from pagoda.node_agent.serving.launch import wait_ready
-from pagoda.node_agent.serving.metrics import metric_sum, parse_metrics
 
 from .apps import serve_args
 from .live import free_port

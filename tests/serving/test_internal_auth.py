@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from pagoda.node_agent.serving.internal_auth import (
+from pagoda.node_agent.serving.api.internal_auth import (
     HEADER,
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -22,7 +22,7 @@ from pagoda.node_agent.serving.internal_auth import (
     auth_for_role,
     load_token,
 )
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .live import LiveServer, metrics
 
@@ -254,11 +254,11 @@ def test_a_parked_ticket_without_pages_times_out_and_a_handoff_for_it_then_is_re
 
 
 def test_router_admits_a_request_s_choices_together() -> None:
-    from pagoda.node_agent.engine.sequence import SamplingParams
-    from pagoda.node_agent.serving.backend import GenRequest
-    from pagoda.node_agent.serving.metrics import ServeMetrics
-    from pagoda.node_agent.serving.protocol import ApiError
-    from pagoda.node_agent.serving.router import Router, RouterSettings
+    from pagoda.node_agent.params import SamplingParams
+    from pagoda.node_agent.serving.api.backend import GenRequest
+    from pagoda.node_agent.serving.api.errors import ApiError
+    from pagoda.node_agent.serving.api.metrics import ServeMetrics
+    from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
     async def main() -> None:
         settings = RouterSettings(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], max_inflight=4)
@@ -286,11 +286,11 @@ def test_router_admits_a_request_s_choices_together() -> None:
 def test_the_router_refuses_what_the_decode_workers_cannot_hold_before_any_prefill(workers) -> None:
     """The decode worker (max_num_seqs 4) reports its room; 5 choices are refused at once with 429,
     and no prompt reaches the prefill worker."""
-    from pagoda.node_agent.engine.sequence import SamplingParams
-    from pagoda.node_agent.serving.backend import GenRequest
-    from pagoda.node_agent.serving.metrics import ServeMetrics, metric_sum, parse_metrics
-    from pagoda.node_agent.serving.protocol import ApiError
-    from pagoda.node_agent.serving.router import Router, RouterSettings
+    from pagoda.node_agent.params import SamplingParams
+    from pagoda.node_agent.serving.api.backend import GenRequest
+    from pagoda.node_agent.serving.api.errors import ApiError
+    from pagoda.node_agent.serving.api.metrics import ServeMetrics, metric_sum, parse_metrics
+    from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
     assert signed("GET", workers["decode"], "/internal/state").json()["max_sequences"] == 4
 

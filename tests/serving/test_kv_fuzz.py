@@ -30,9 +30,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagoda.node_agent.serving.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import metric_sum
 from pagoda.node_agent.serving.launch import wait_ready
-from pagoda.node_agent.serving.metrics import metric_sum
 
 from .conftest import MODEL
 from .live import free_port, wait_idle

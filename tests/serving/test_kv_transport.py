@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.serving.internal_auth import InternalAuth
-from pagoda.node_agent.serving.kv_limits import KVLimits
-from pagoda.node_agent.serving.kv_transport import (
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.worker.kv_limits import KVLimits
+from pagoda.node_agent.serving.worker.kv_transport import (
     ACK,
     END,
     GENSTATE,

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.serving.kv_limits import HeaderError, check_header
-from pagoda.node_agent.serving.kv_transport import PAGE, TcpKVSender, encode_frame, header_of, payload_frames
+from pagoda.node_agent.serving.worker.kv_limits import HeaderError, check_header
+from pagoda.node_agent.serving.worker.kv_transport import (
+    PAGE,
+    TcpKVSender,
+    encode_frame,
+    header_of,
+    payload_frames,
+)
 
 from .test_kv_transport import AUTH, limits, run
 

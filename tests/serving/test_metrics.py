@@ -7,7 +7,7 @@ import dataclasses
 from pagoda.agent_report import INTEGRITY_COUNTERS
 from pagoda.node_agent.engine.integrity import IntegrityCounters
 from pagoda.node_agent.engine.state import KVPoolState
-from pagoda.node_agent.serving.metrics import (
+from pagoda.node_agent.serving.api.metrics import (
     EngineSnapshot,
     ServeMetrics,
     metric_sum,

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
-from pagoda.node_agent.serving.tenancy import TenantPolicy
+from pagoda.node_agent.serving.api.errors import ApiError
+from pagoda.node_agent.serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_body,
+)
+from pagoda.node_agent.serving.api.tenancy import TenantPolicy
 
 
 def test_parse_accepts_openai_shapes() -> None:

@@ -10,14 +10,14 @@ from collections import Counter
 
 import pytest
 
-from pagoda.node_agent.engine.sequence import SamplingParams
-from pagoda.node_agent.serving import hashing
-from pagoda.node_agent.serving.backend import GenRequest
-from pagoda.node_agent.serving.discovery import DnsTarget, DnsWatch, parse_dns_targets, resolve
-from pagoda.node_agent.serving.internal_auth import InternalAuth
-from pagoda.node_agent.serving.metrics import ServeMetrics, metric_sum, parse_metrics
-from pagoda.node_agent.serving.protocol import ApiError
-from pagoda.node_agent.serving.router import Router, RouterSettings
+from pagoda.node_agent.params import SamplingParams
+from pagoda.node_agent.serving.api.backend import GenRequest
+from pagoda.node_agent.serving.api.errors import ApiError
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import ServeMetrics, metric_sum, parse_metrics
+from pagoda.node_agent.serving.router import hashing
+from pagoda.node_agent.serving.router.discovery import DnsTarget, DnsWatch, parse_dns_targets, resolve
+from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
 from .live import LiveServer
 

@@ -9,7 +9,7 @@ import httpx
 
 from pagoda.agent_report import WEIGHT_PARTS, AgentReport
 from pagoda.node_agent.agent.reporter import ReporterConfig, build_report
-from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics, metric_sum, parse_metrics
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot, ServeMetrics, metric_sum, parse_metrics
 
 
 def test_metrics_split_the_weight_total_by_part_and_format(stack) -> None:

@@ -24,11 +24,12 @@ from pagoda.node_agent.engine.integrity import IntegrityError
 from pagoda.node_agent.engine.kv_setup import kv_components
 from pagoda.node_agent.engine.parallel.group import ParallelGroup
 from pagoda.node_agent.engine.parallel.steps import Follower, ParallelDriver
-from pagoda.node_agent.engine.sequence import SamplingParams, Sequence
+from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv.pool import KVPagePool, PageRef
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.parallel import head_ranges
+from pagoda.node_agent.params import SamplingParams
 
 
 class LocalReplica:

@@ -5,34 +5,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError
-from pagoda.node_agent.serving.async_engine import (
+from pagoda.node_agent.params import CapacityError, RequestError
+from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, request_error
+from pagoda.node_agent.serving.worker.async_engine import (
     AsyncEngine,
     EngineDead,
     QueueFull,
-    RequestFailed,
     RequestStream,
     Submission,
     TooManyChoices,
 )
-from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
-from pagoda.node_agent.serving.protocol import ApiError
-
-RETRY_AFTER_S = 1
-
-
-def request_error(exc: Exception, prompt_field: str = "prompt") -> ApiError:
-    """An engine RequestError -> 400 naming the field the message is about."""
-    msg = str(exc)
-    first = msg.split(" ", 1)[0].rstrip(":")
-    fields = {"max_tokens", "temperature", "top_p", "top_k", "stop", "seed"}
-    if first in fields:
-        param = first
-    elif "token ids" in msg or first in ("prompt", "request"):
-        param = prompt_field
-    else:
-        param = prompt_field if "prompt" in msg else None
-    return ApiError(400, msg, param=param, code="invalid_value")
 
 
 def too_many_error(exc: Exception) -> ApiError:
@@ -117,6 +100,3 @@ class LocalBackend:
         except (QueueFull, EngineDead, CapacityError) as exc:
             raise busy_error(exc) from exc
         return [LocalHandle(s) for s in streams]
-
-
-__all__ = ["LocalBackend", "LocalHandle", "RequestFailed", "busy_error", "request_error", "too_many_error"]

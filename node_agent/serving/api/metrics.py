@@ -10,17 +10,34 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.node_agent.engine.state import KVPoolState
-from pagoda.node_agent.models.weight_bytes import PARTS
+from pagoda.agent_report import WEIGHT_PARTS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class KVPoolOccupancy(Protocol):
+    """What the metrics read of one KV page pool (the engine's ``KVPoolState``; this module stays
+    torch- and engine-free, for the router)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def capacity_tokens(self) -> int: ...
+    @property
+    def kv_format(self) -> str: ...
 
 
 @dataclass
@@ -28,7 +45,7 @@ class EngineSnapshot:
     """Engine state copied by the engine thread (safe to read from any thread)."""
 
     ready: bool = False
-    pools: list[KVPoolState] = field(default_factory=list)
+    pools: list[KVPoolOccupancy] = field(default_factory=list)
     running: int = 0
     waiting: int = 0
     integrity_mode: str = "off"
@@ -268,7 +285,7 @@ def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFam
         labels=["pool", "format"],
     )
     if breakdown:
-        for part in PARTS:
+        for part in WEIGHT_PARTS:
             parts.add_metric([pool, part], breakdown.get(part, 0))
         for fmt, n in sorted(breakdown.get("by_format", {}).items()):
             formats.add_metric([pool, fmt], n)

@@ -36,64 +36,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.node_agent.engine.handoff import KVPayload
-from pagoda.node_agent.engine.sequence import CapacityError, RequestError, SamplingParams
-from pagoda.node_agent.serving.api_server import read_body
-from pagoda.node_agent.serving.async_engine import AsyncEngine, EngineDead, QueueFull, RequestFailed
-from pagoda.node_agent.serving.backend import StreamChunk
-from pagoda.node_agent.serving.internal_auth import InternalAuth
-from pagoda.node_agent.serving.kv_limits import KVLimits
-from pagoda.node_agent.serving.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
-from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S, busy_error, request_error
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import ApiError
+from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams, params_from_json
+from pagoda.node_agent.serving.api.api_server import read_body
+from pagoda.node_agent.serving.api.backend import StreamChunk
+from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, RequestFailed, request_error
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.worker.async_engine import AsyncEngine, EngineDead, QueueFull
+from pagoda.node_agent.serving.worker.kv_limits import KVLimits
+from pagoda.node_agent.serving.worker.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
+from pagoda.node_agent.serving.worker.local_backend import busy_error
 
 log = logging.getLogger("pagoda.disagg")
 
 KV_WAIT_S = 120.0
 MAX_ID_CHARS = 256
+
+
 # JSON types of the sampling parameters on the internal plane (bool is no int here)
-_PARAM_TYPES: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_k": (int,),
-    "top_p": (int, float),
-    "seed": (int, type(None)),
-    "stop": (list,),
-    "stop_token_ids": (list,),
-    "ignore_eos": (bool,),
-}
-
-
-def params_to_json(p: SamplingParams) -> dict[str, Any]:
-    return {
-        "max_tokens": p.max_tokens,
-        "temperature": p.temperature,
-        "top_k": p.top_k,
-        "top_p": p.top_p,
-        "seed": p.seed,
-        "stop": list(p.stop),
-        "stop_token_ids": list(p.stop_token_ids),
-        "ignore_eos": p.ignore_eos,
-    }
-
-
-def params_from_json(d: Any) -> SamplingParams:
-    """SamplingParams from the internal plane's JSON; RequestError naming the first bad field."""
-    if not isinstance(d, dict):
-        raise RequestError("params must be a JSON object")
-    for k, v in d.items():
-        types = _PARAM_TYPES.get(k)
-        if types is None:
-            raise RequestError(f"params: unknown field {str(k)[:40]!r}")
-        if type(v) not in types:
-            raise RequestError(f"{k} has the wrong JSON type ({type(v).__name__})")
-    if any(type(t) is not int or t < 0 for t in d.get("stop_token_ids", [])):
-        raise RequestError("stop_token_ids must be non-negative integers")
-    p = SamplingParams(**d)
-    p.validate()
-    return p
-
-
 def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 

@@ -30,9 +30,9 @@ import uvicorn
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import ApiError, sse
+from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.api.protocol import sse
 
 log = logging.getLogger("pagoda.drain")
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagoda.node_agent.serving.protocol import ApiError
+from pagoda.node_agent.serving.api.errors import ApiError
 
 DEFAULT_TENANT_HEADER = "x-pagoda-tenant"
 SCOPE_HEADER = "x-pagoda-cache-scope"

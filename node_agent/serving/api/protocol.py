@@ -19,7 +19,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
+from pagoda.node_agent.serving.api.errors import ApiError, printable
 
 MAX_N = 8
 MAX_PROMPTS = 32
@@ -27,42 +28,6 @@ MAX_CHOICES = MAX_N * MAX_PROMPTS  # prompts x n of one request
 MAX_DEPTH = 32  # nesting of JSON arrays and objects in a body
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 SEED_MODULUS = 2**64  # per-choice seeds are wrapped into the generator's range [0, 2**64)
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI-style JSON: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": printable(self.message),
-                "type": self.type,
-                "param": None if self.param is None else printable(self.param),
-                "code": self.code,
-            }
-        }
-
-
-def printable(s: str) -> str:
-    """``s`` with anything not encodable as UTF-8 (lone surrogates) escaped, so it can be sent."""
-    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------- field policy

@@ -37,8 +37,8 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import ApiError
+from pagoda.node_agent.serving.api.errors import ApiError
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
 
 HEADER = "X-Pagoda-Internal-Auth"
 TOKEN_FILE_ENV = "PAGODA_INTERNAL_TOKEN_FILE"

@@ -61,8 +61,8 @@ import torch
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.kv.layout import PageLayout
 from pagoda.node_agent.kv.storage import is_page_scale_key
-from pagoda.node_agent.serving.internal_auth import MAC_BYTES, InternalAuth
-from pagoda.node_agent.serving.kv_limits import (
+from pagoda.node_agent.serving.api.internal_auth import MAC_BYTES, InternalAuth
+from pagoda.node_agent.serving.worker.kv_limits import (
     HeaderError,
     KVLimits,
     NoRoom,

@@ -23,8 +23,9 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
 from pagoda.node_agent.engine.parallel.group import ReplicaFailure
 from pagoda.node_agent.engine.prompts import Prompt
-from pagoda.node_agent.engine.sequence import RequestError, SamplingParams
-from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics
+from pagoda.node_agent.params import RequestError, SamplingParams
+from pagoda.node_agent.serving.api.errors import RequestFailed
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot, ServeMetrics
 
 log = logging.getLogger("pagoda.async_engine")
 
@@ -37,10 +38,6 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
-
-
-class RequestFailed(RuntimeError):
-    """A request ended with an error (integrity abort, engine failure): never shown as text."""
 
 
 class TooManyChoices(ValueError):

@@ -36,15 +36,13 @@ from typing import Any
 
 import httpx
 
-from pagoda.node_agent.serving import hashing
-from pagoda.node_agent.serving.async_engine import RequestFailed
-from pagoda.node_agent.serving.backend import GenRequest, StreamChunk
-from pagoda.node_agent.serving.disagg_worker import params_to_json
-from pagoda.node_agent.serving.discovery import DnsTarget, DnsWatch, Resolver, resolve
-from pagoda.node_agent.serving.internal_auth import InternalAuth
-from pagoda.node_agent.serving.local_backend import RETRY_AFTER_S
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import ApiError
+from pagoda.node_agent.params import params_to_json
+from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, RequestFailed
+from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.router import hashing
+from pagoda.node_agent.serving.router.discovery import DnsTarget, DnsWatch, Resolver, resolve
 
 log = logging.getLogger("pagoda.router")
 

@@ -29,13 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagoda.node_agent.serving.async_engine import RequestFailed
-from pagoda.node_agent.serving.auth import ApiKeys
-from pagoda.node_agent.serving.backend import Backend, GenRequest, Handle, StreamChunk
-from pagoda.node_agent.serving.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
-from pagoda.node_agent.serving.metrics import ServeMetrics
-from pagoda.node_agent.serving.protocol import (
-    ApiError,
+from pagoda.node_agent.serving.api.auth import ApiKeys
+from pagoda.node_agent.serving.api.backend import Backend, GenRequest, Handle, StreamChunk
+from pagoda.node_agent.serving.api.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
+from pagoda.node_agent.serving.api.errors import ApiError, RequestFailed
+from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     new_id,
@@ -44,7 +43,7 @@ from pagoda.node_agent.serving.protocol import (
     sse,
     usage,
 )
-from pagoda.node_agent.serving.tenancy import TenantPolicy
+from pagoda.node_agent.serving.api.tenancy import TenantPolicy
 
 log = logging.getLogger("pagoda.api")
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from pagoda.node_agent.engine.sequence import SamplingParams
+from pagoda.node_agent.params import SamplingParams
 
 
 @dataclass
