@@ -12,8 +12,7 @@ from pagoda.node_agent.engine.config import (
     PhaseFormats,
     parse_bytes,
 )
-from pagoda.node_agent.kv import formats as kv_formats
-from pagoda.vocabulary import INTEGRITY_MODES, WEIGHT_FORMATS
+from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
 
@@ -33,14 +32,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
     p.add_argument(
         "--prefill-kv",
-        choices=kv_formats.names(wire=True),
+        choices=KV_CACHE_FORMATS,
         default=None,
         help="prefill KV pages (default bf16)",
     )
     p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
     p.add_argument(
         "--decode-kv",
-        choices=kv_formats.names(wire=True),
+        choices=KV_CACHE_FORMATS,
         default=None,
         help="decode KV pages: int8 (default; K and V int8 with a scale per token and head), fp8_e4m3 "
         "or bf16",

@@ -337,7 +337,7 @@ def serve_follower(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT, then drain (node_agent/serving/drain.py) and return 0."""
+    """Serve until SIGTERM/SIGINT, then drain (node_agent/serving/api/drain.py) and return 0."""
     from pagoda.node_agent.serving.api.drain import serve
 
     if a.disaggregated:

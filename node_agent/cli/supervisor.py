@@ -18,7 +18,7 @@ Restart policy (``RestartPolicy``, defaults in brackets):
 
 SIGTERM or SIGINT to the supervisor stops the children stage by stage (``ChildSpec.stage``, lowest
 first: the router drains before the workers it sends to): SIGTERM, which makes a server drain
-(node_agent/serving/drain.py), then SIGKILL after ``stop_timeout_s`` [10 s; ``pagoda serve
+(node_agent/serving/api/drain.py), then SIGKILL after ``stop_timeout_s`` [10 s; ``pagoda serve
 --disaggregated`` sets --drain-timeout + 10 s]; ``run`` returns 0. A second SIGTERM or SIGINT kills
 the children at once. Children run in their own session (a terminal's Ctrl-C reaches only the
 supervisor, which stops them in order) and, on Linux, get SIGTERM if the supervisor itself dies.

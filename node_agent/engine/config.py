@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads only when a model does: `pagoda serve --role router` never needs it
     import torch
 
-from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.vocabulary import (
     ENGINE_ROLES,
     INTEGRITY_MODES,
+    KV_CACHE_FORMATS,
     KV_FORMAT_ALIASES,
     PHASE_DEFAULTS,
     WEIGHT_FORMATS,
+    handoff_allowed,
 )
 
 
@@ -59,12 +60,12 @@ class PhaseFormats:
                     f"got {getattr(self, name)!r}"
                 )
         for name in ("prefill_kv", "decode_kv"):
-            if getattr(self, name) not in kv_formats.names(wire=True):
+            if getattr(self, name) not in KV_CACHE_FORMATS:
                 raise ConfigError(
-                    f"{name.replace('_', '-')} must be one of {', '.join(kv_formats.names(wire=True))}, "
+                    f"{name.replace('_', '-')} must be one of {', '.join(KV_CACHE_FORMATS)}, "
                     f"got {getattr(self, name)!r}"
                 )
-        if not kv_formats.handoff_allowed(self.prefill_kv, self.decode_kv):
+        if not handoff_allowed(self.prefill_kv, self.decode_kv):
             raise ConfigError(
                 f"prefill-kv {self.prefill_kv} cannot hand off to decode-kv {self.decode_kv}: 1-byte "
                 "pages never widen to bf16 nor change to the other 1-byte format (a second rounding); "

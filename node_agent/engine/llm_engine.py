@@ -2,7 +2,7 @@
 
 Follow one request: ``add_request`` tokenizes it and asks admission.py whether it fits, then queues
 it as a Sequence (sequence.py); the Scheduler (scheduler.py) admits it and maps its tokens onto KV
-pages (kv_pool.py); before the step the integrity tracker (integrity.py) checks every mapped page's
+pages (../kv/pool.py, the KVPagePool facade); before the step the integrity tracker (integrity.py) checks every mapped page's
 generation tag; failure isolation (isolation.py) runs the step through the ModelRunner
 (model_runner.py), which builds a StepBatch (models/batch.py) and runs the model (models/llama.py)
 on the replica (parallel/replica.py: this process, or every tensor-parallel rank); its layers call

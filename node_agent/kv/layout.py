@@ -4,8 +4,8 @@ A page set (a pool's pages, a handoff payload, a tensor-parallel transfer, the P
 KV wire) holds per layer the values of each component, in the pool's component order, then the
 per-token scales of the ``page_scaled`` components (``"k.scale"``: bfloat16 ``[n, page_size,
 heads]``), and once per layer the static float32 ``[heads]`` scales of the ``static_scaled`` ones.
-Handoff payloads (engine/handoff.py), TP scatter/gather (engine/parallel_steps.py) and the KV wire
-(serving/kv_transport.py) all take their tensor lists and orders from here; ``check_page_set`` is
+Handoff payloads (engine/handoff.py), TP scatter/gather (engine/parallel/steps.py) and the KV wire
+(serving/worker/kv_transport.py) all take their tensor lists and orders from here; ``check_page_set`` is
 the one rule of what a page set of a format may look like (int8: every component scaled per token).
 """
 

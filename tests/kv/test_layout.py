@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pagoda.node_agent.engine import handoff, parallel_steps
+from pagoda.node_agent.engine import handoff
 from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.engine.parallel import steps as parallel_steps
 from pagoda.node_agent.kv.layout import LayoutError, PageLayout, check_page_set
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.serving.worker.kv_transport import PAGE, SCALES, payload_frames

@@ -138,3 +138,15 @@ def test_a_registered_format_passes_the_kv_wire_header(int8x) -> None:
     back = asm.build()
     for a, b in zip(payload.layers, back.layers, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_public_names_are_the_vocabularys():
+    """Config and the CLI check names against the torch-free vocabulary (a router never loads torch):
+    the registry's wire formats and handoffs must be exactly the vocabulary's."""
+    from pagoda.node_agent.kv import formats
+    from pagoda.vocabulary import KV_CACHE_FORMATS, handoff_allowed
+
+    assert formats.names(wire=True) == KV_CACHE_FORMATS
+    for src in KV_CACHE_FORMATS:
+        for dst in KV_CACHE_FORMATS:
+            assert formats.handoff_allowed(src, dst) == handoff_allowed(src, dst), (src, dst)
