@@ -28,11 +28,11 @@ from pagoda.kernels.paged_attention import (
 )
 
 
-
 @pytest.fixture(autouse=True)
 def needs_native() -> None:
     """Every test here runs the native library: skipped without a C compiler, failed if it broke."""
     require_native()
+
 
 # per-token K + static V (the default pool), static both, float32, int8 (per-token scales both)
 KINDS = ["fp8tok", "fp8", "fp32", "int8"]
