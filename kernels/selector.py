@@ -27,7 +27,7 @@ from .dispatch import select_backend
 from .linear import DEFAULT_INT4_COMPUTE, check_int4_compute, onednn_enabled
 from .switches import FALLBACK_ENV, SWITCHES, fallback_allowed_by_env, switch_on
 
-log = logging.getLogger("pagoda.kernels")
+log = logging.getLogger("pagoda.kernels.selector")  # the CLI shows it at INFO without -v
 
 # The ops of the table, in the order it is shown.
 OPS = (
