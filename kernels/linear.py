@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -15,25 +12,20 @@ from .dispatch import record, select_backend
 from .fp8 import Fp8Weight, fp8_linear
 from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, quantize_int4
 from .int8 import Int8Weight, int8_linear
+from .switches import switch_on
 
 FORMATS = ("bf16", "fp32", "fp8", "int4", "int8")
 INT4_COMPUTES = ("float32", "bf16")
-# How INT4 layers built from now on compute on a CPU with float32 activations (``int4_cpu_compute``):
-# "float32" runs the exact native kernel, "bf16" torch's faster int4pack op with bf16 rounding.
-INT4_CPU_COMPUTE = "float32"
+# How INT4 layers compute on a CPU with float32 activations (``--int4-compute``), defined once here:
+# "float32" runs the exact native kernel, "bf16" torch's faster int4pack op with bf16 rounding. The
+# engine's choice travels as an explicit argument (kernels/selector.py's KernelSelection).
+DEFAULT_INT4_COMPUTE = "float32"
 
 
-@contextmanager
-def int4_cpu_compute(mode: str) -> Iterator[None]:
-    """INT4 layers built inside compute in ``mode`` on the CPU (the engine's ``--int4-compute``)."""
-    global INT4_CPU_COMPUTE
+def check_int4_compute(mode: str) -> str:
     if mode not in INT4_COMPUTES:
         raise ValueError(f"int4 compute must be one of {', '.join(INT4_COMPUTES)}, got {mode!r}")
-    saved, INT4_CPU_COMPUTE = INT4_CPU_COMPUTE, mode
-    try:
-        yield
-    finally:
-        INT4_CPU_COMPUTE = saved
+    return mode
 
 
 def native_available() -> bool:
@@ -60,7 +52,7 @@ def _bias_bytes(bias: Tensor | None) -> int:
 
 def onednn_enabled() -> bool:
     """oneDNN prepacked fp32 GEMMs on the CPU (``PAGODA_ONEDNN=0`` turns them off)."""
-    return os.environ.get("PAGODA_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+    return switch_on("onednn") and torch.backends.mkldnn.is_available()
 
 
 class DenseLinear:
@@ -108,22 +100,28 @@ class Fp8Linear:
 
 
 class Int4Linear:
-    """Group-wise INT4 weight."""
+    """Group-wise INT4 weight. ``int4_compute`` (``INT4_COMPUTES``): how a CPU weight computes with
+    float32 activations; "float32" needs the native kernel and becomes "bf16" without it (the
+    weight's ``cpu_compute`` says which ran; the engine's selector refuses that case beforehand)."""
 
     fmt = "int4"
 
     def __init__(
-        self, weight: Int4Weight, dtype: torch.dtype, bias: Tensor | None, backend: str | None
+        self,
+        weight: Int4Weight,
+        dtype: torch.dtype,
+        bias: Tensor | None,
+        backend: str | None,
+        int4_compute: str = DEFAULT_INT4_COMPUTE,
     ) -> None:
+        check_int4_compute(int4_compute)
         self.weight = weight
         self.dtype = dtype
         self.bias = None if bias is None else bias.detach().float()
         self.backend = backend
         device = weight.packed.device
         if select_backend(device, backend) == "cpu" and device.type == "cpu":
-            weight.cpu_compute = (
-                "float32" if dtype == torch.float32 and INT4_CPU_COMPUTE == "float32" else "bf16"
-            )
+            weight.cpu_compute = "float32" if dtype == torch.float32 and int4_compute == "float32" else "bf16"
             if weight.cpu_compute == "float32" and native_available():
                 weight.prepare("cpu")  # the exact native kernel reads the canonical tensors
             else:
@@ -169,13 +167,15 @@ def make_linear_weight(
     bias: Tensor | None = None,
     group_size: int | None = None,
     backend: str | None = None,
+    int4_compute: str = DEFAULT_INT4_COMPUTE,
 ) -> LinearWeight:
-    """Quantize/convert ``w [N, K]`` into ``fmt``; ``dtype`` is the engine's compute dtype.
+    """Quantize/convert ``w [N, K]`` into ``fmt``; ``dtype`` is the engine's compute dtype,
+    ``int4_compute`` how an INT4 weight computes on a CPU (``Int4Linear``).
 
     ``w`` may be a prequantized Int4Weight / Fp8Weight: used as is for its own format, dequantized
     for any other."""
     if isinstance(w, Int4Weight) and fmt == "int4":
-        return Int4Linear(w, dtype, bias, backend)
+        return Int4Linear(w, dtype, bias, backend, int4_compute)
     if isinstance(w, Fp8Weight) and fmt == "fp8":
         return Fp8Linear(w, bias, backend)
     if isinstance(w, Int4Weight | Fp8Weight):
@@ -188,7 +188,7 @@ def make_linear_weight(
         return Fp8Linear(Fp8Weight.quantize(w), bias, backend)
     if fmt == "int4":
         g = pick_group_size(w.shape[1], group_size or 128)  # the largest allowed group dividing K
-        return Int4Linear(quantize_int4(w, g), dtype, bias, backend)
+        return Int4Linear(quantize_int4(w, g), dtype, bias, backend, int4_compute)
     if fmt == "int8":
         if bias is not None:
             raise ValueError("the int8 format (a decode LM head) takes no bias")

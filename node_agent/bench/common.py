@@ -208,6 +208,20 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def kernel_report() -> dict:
+    """The kernel table of the model this process built (kernels/selector.py), else the one this
+    machine selects for float32 on its default device (a bench that builds no model)."""
+    import torch
+
+    from pagoda.kernels.selector import active_selection, select_kernels
+
+    selection = active_selection()
+    if selection is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        selection = select_kernels(device, torch.float32, allow_fallback=True)
+    return selection.as_dict()
+
+
 def write_result(
     json_path: str | None, result: dict, plot: Callable[[Path], None], command: str | None = None
 ) -> None:
@@ -218,6 +232,7 @@ def write_result(
     (keys the bench set itself, such as the threads a kernel bench pinned, are kept)."""
     for key, value in environment().items():
         result.setdefault(key, value)
+    result.setdefault("kernels", kernel_report())
     if command is not None:
         result["command"] = command
     if not json_path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
 from pagoda.node_agent.engine.config import (
     DECODE_LM_HEADS,
     KV_SCALE_GRANULARITIES,
@@ -74,10 +75,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--int4-compute",
-        choices=("float32", "bf16"),
-        default="float32",
+        choices=INT4_COMPUTES,
+        default=DEFAULT_INT4_COMPUTE,
         help="CPU INT4 GEMMs with float32 activations: float32 (exact, a native kernel) or bf16 "
         "(torch's int4pack op, faster, rounds activations and scales to bf16)",
+    )
+    p.add_argument(
+        "--allow-kernel-fallback",
+        action="store_true",
+        help="run the torch paths when the native CPU kernels fail to build (default: an error where a "
+        "C compiler exists; also PAGODA_ALLOW_KERNEL_FALLBACK=1)",
     )
     p.add_argument(
         "--compile",
@@ -157,7 +164,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kernel_backend=a.kernels,
         decode_lm_head=getattr(a, "decode_lm_head", "auto"),
         compile=getattr(a, "compile", False),
-        int4_compute=getattr(a, "int4_compute", "float32"),
+        int4_compute=getattr(a, "int4_compute", DEFAULT_INT4_COMPUTE),
+        allow_kernel_fallback=getattr(a, "allow_kernel_fallback", False),
         kv_scale_granularity=getattr(a, "kv_scale_granularity", "per-token-k"),
         parallel=ParallelConfig(
             tensor_parallel=getattr(a, "tensor_parallel", 1),
@@ -169,17 +177,15 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     )
 
 
-# engine flags a ``pagoda serve`` started by ``pagoda bench serve`` is given (dest -> flag)
-SERVER_ENGINE_FLAGS = {
-    "model": "--model", "dtype": "--dtype", "device": "--device", "prefill_weights": "--prefill-weights",
-    "prefill_kv": "--prefill-kv", "decode_weights": "--decode-weights", "decode_kv": "--decode-kv",
-    "kv_memory": "--kv-memory", "page_size": "--page-size", "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens", "max_model_len": "--max-model-len",
-    "integrity": "--integrity", "kernels": "--kernels", "decode_lm_head": "--decode-lm-head",
-    "int4_compute": "--int4-compute",
-    "kv_scale_granularity": "--kv-scale-granularity",
-    "tensor_parallel": "--tensor-parallel", "nodes": "--nodes", "dist_timeout": "--dist-timeout",
-}  # fmt: skip
+def _engine_flag_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return [act for act in parser._actions if act.option_strings]
+
+
+# every engine flag, derived from add_engine_args (dest -> flag); the switches take no value
+SERVER_ENGINE_FLAGS = {act.dest: act.option_strings[0] for act in _engine_flag_actions() if act.nargs != 0}
+SERVER_ENGINE_SWITCHES = {act.dest: act.option_strings[0] for act in _engine_flag_actions() if act.nargs == 0}
 
 
 def engine_argv(a: argparse.Namespace) -> list[str]:
@@ -189,8 +195,4 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
         v = getattr(a, dest, None)
         if v not in (None, "", False):
             out += [flag, str(v)]
-    if getattr(a, "no_prefix_caching", False):
-        out.append("--no-prefix-caching")
-    if getattr(a, "compile", False):
-        out.append("--compile")
-    return out
+    return out + [flag for dest, flag in SERVER_ENGINE_SWITCHES.items() if getattr(a, dest, False)]

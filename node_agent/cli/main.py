@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from pagoda.kernels.selector import KernelSelectionError
 from pagoda.node_agent.cli.bench import add_bench_parser
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
 from pagoda.node_agent.cli.eval import add_eval_parser
@@ -83,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if a.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("pagoda.kernels.selector").setLevel(logging.INFO)  # the kernel table, once
     try:
         return a.func(a)
-    except (ConfigError, ModelLoadError, RequestError, ValueError) as exc:
+    except (ConfigError, ModelLoadError, RequestError, KernelSelectionError, ValueError) as exc:
         print(f"pagoda: error: {exc}", file=sys.stderr)
         return 2
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads only when a model does: `pagoda serve --role router` never needs it
     import torch
 
+from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
 from pagoda.vocabulary import (
     ENGINE_ROLES,
     INTEGRITY_MODES,
@@ -164,7 +165,9 @@ class EngineConfig:
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
     decode_lm_head: str = "auto"  # the decode phase's LM head (DECODE_LM_HEADS; int4 in groups of 32)
     compile: bool = False  # torch.compile the decode glue at load (models/step_ops.py)
-    int4_compute: str = "float32"  # CPU INT4 with float32 activations: float32 (exact) | bf16 (faster)
+    int4_compute: str = DEFAULT_INT4_COMPUTE  # CPU INT4 with float32 activations: float32 (exact) | bf16
+    # a native kernel build that fails with a C compiler present falls back instead of failing
+    allow_kernel_fallback: bool = False
     kv_scale_granularity: str = "per-token-k"  # FP8 KV scales (KV_SCALE_GRANULARITIES)
     role: str = "both"  # both | prefill | decode: which phases this worker runs
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
@@ -181,8 +184,8 @@ class EngineConfig:
             )
         if self.role not in ENGINE_ROLES:
             raise ConfigError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
-        if self.int4_compute not in ("float32", "bf16"):
-            raise ConfigError(f"int4 compute must be float32 or bf16, got {self.int4_compute!r}")
+        if self.int4_compute not in INT4_COMPUTES:
+            raise ConfigError(f"int4 compute must be {' or '.join(INT4_COMPUTES)}, got {self.int4_compute!r}")
         if self.decode_lm_head not in DECODE_LM_HEADS:
             raise ConfigError(
                 f"decode LM head must be one of {', '.join(DECODE_LM_HEADS)}, got {self.decode_lm_head!r}"

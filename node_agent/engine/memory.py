@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig
 from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.node_agent.models.config import ModelLoadError
@@ -50,7 +51,7 @@ def linear_bytes(
     fmt: str,
     dtype: torch.dtype,
     group_size: int | None = None,
-    int4_compute: str = "float32",
+    int4_compute: str = DEFAULT_INT4_COMPUTE,
     expert: bool = False,
 ) -> int:
     """Resident bytes of one linear weight (or expert stack) held in ``fmt``: dense in the compute
@@ -91,7 +92,7 @@ def estimate_weight_bytes(
     dtype: torch.dtype,
     group_size: int | None = None,
     head_format: str = "bf16",
-    int4_compute: str = "float32",
+    int4_compute: str = DEFAULT_INT4_COMPUTE,
     decode_head_format: str = "dense",
 ) -> WeightEstimate:
     """Bytes the built model will hold: every 2-D (or stacked 3-D) block weight once per distinct phase

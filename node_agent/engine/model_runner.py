@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from pagoda.kernels.linear import int4_cpu_compute
+from pagoda.kernels.selector import select_kernels
 from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.sampling import sample
@@ -43,8 +43,7 @@ def build_model(
         weights = shard_weights(weights, cfg, plan, fmts)
         cfg = local_config(cfg, plan)
         tp = TensorParallel(plan, loaded.config.vocab_size, group.data)
-    with int4_cpu_compute(config.int4_compute):
-        return _build(config, cfg, weights, formats, dtype, device, tp)
+    return _build(config, cfg, weights, formats, dtype, device, tp)
 
 
 def _build(
@@ -56,13 +55,16 @@ def _build(
     device: torch.device,
     tp: TensorParallel | None,
 ):
+    kernels = select_kernels(
+        device, dtype, config.kernel_backend, config.int4_compute, config.allow_kernel_fallback
+    )
     return LlamaForCausalLM(
         cfg,
         weights,
         formats,
         dtype,
         device,
-        backend=config.kernel_backend,
+        kernels=kernels,
         int4_group_size=config.int4_group_size,
         decode_head_format="dense" if config.role == "prefill" else config.decode_lm_head,
         head_phases_shared=config.role == "decode",

@@ -10,7 +10,8 @@ from torch import nn
 from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.fp8_format import amax_scale, quantize_fp8
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.kernels.linear import Fp8Linear, LinearWeight, make_linear_weight
+from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, Fp8Linear, LinearWeight, make_linear_weight
+from pagoda.kernels.selector import KernelSelection
 from pagoda.node_agent.models.parallel import ColumnShard
 from pagoda.node_agent.models.step_ops import OPS, rms_norm
 
@@ -39,7 +40,8 @@ class PhaseLinear:
     """A linear layer holding a weight per phase (shared when both phases use the same format).
 
     A tensor-parallel column slice (ColumnShard) is quantized as its share of the whole row: the
-    row's INT4 group size and FP8 scale."""
+    row's INT4 group size and FP8 scale. ``kernels``: the engine's kernel selection (the requested
+    backend and the INT4 compute), None for the automatic backend and the default compute."""
 
     def __init__(
         self,
@@ -47,10 +49,12 @@ class PhaseLinear:
         bias: torch.Tensor | None,
         formats: dict[str, str],
         dtype: torch.dtype,
-        backend: str | None = None,
+        kernels: KernelSelection | None = None,
         group_size: int | None = None,
         built: dict[str, LinearWeight] | None = None,
     ) -> None:
+        backend = None if kernels is None else kernels.backend
+        int4_compute = DEFAULT_INT4_COMPUTE if kernels is None else kernels.int4_compute
         self.by_phase: dict[str, LinearWeight] = {}
         made: dict[str, LinearWeight] = dict(built or {})  # formats the caller already built
         shard = weight if isinstance(weight, ColumnShard) else None
@@ -71,9 +75,7 @@ class PhaseLinear:
                     w8 = Fp8Weight(quantize_fp8(src.detach(), scale[:, None]), scale)
                     made[fmt] = Fp8Linear(w8, bias, backend)
                 else:
-                    made[fmt] = make_linear_weight(
-                        src, fmt, dtype, bias=bias, backend=backend, group_size=group_size
-                    )
+                    made[fmt] = make_linear_weight(src, fmt, dtype, bias, group_size, backend, int4_compute)
             self.by_phase[phase] = made[fmt]
         self.out_features = weight.shape[0] if stored is None else weight.out_features
 
@@ -111,7 +113,7 @@ def fused_linear(
     names: list[str],
     formats: dict[str, str],
     dtype: torch.dtype,
-    backend: str | None,
+    kernels: KernelSelection | None,
     group_size: int | None,
 ) -> PhaseLinear | None:
     """One PhaseLinear over the row-stacked weights (and biases) of ``names``, or None when they
@@ -124,7 +126,7 @@ def fused_linear(
     if any(b is not None for b in biases):
         sizes = [_rows(w[n + ".weight"]) for n in names]
         bias = torch.cat([b if b is not None else torch.zeros(k) for b, k in zip(biases, sizes, strict=True)])
-    return PhaseLinear(weight, bias, formats, dtype, backend, group_size)
+    return PhaseLinear(weight, bias, formats, dtype, kernels, group_size)
 
 
 def _rows(w: torch.Tensor | Int4Weight | Fp8Weight) -> int:
@@ -141,17 +143,17 @@ class DenseMLP:
         w: dict[str, torch.Tensor],
         formats: dict[str, str],
         dtype: torch.dtype,
-        backend: str | None,
+        kernels: KernelSelection | None,
         group_size: int | None = None,
     ) -> None:
         def lin(name: str) -> PhaseLinear:
             full = f"{prefix}.{name}"
             return PhaseLinear(
-                w[full + ".weight"], w.get(full + ".bias"), formats, dtype, backend, group_size
+                w[full + ".weight"], w.get(full + ".bias"), formats, dtype, kernels, group_size
             )
 
         names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-        self.gate_up_proj = fused_linear(w, names, formats, dtype, backend, group_size)
+        self.gate_up_proj = fused_linear(w, names, formats, dtype, kernels, group_size)
         self.gate_proj = self.up_proj = None
         if self.gate_up_proj is None:
             self.gate_proj, self.up_proj = lin("gate_proj"), lin("up_proj")

@@ -1,7 +1,9 @@
 """Llama-family decoder over a paged KV cache: Llama, Mistral, SmolLM2, Qwen2 (qkv bias), Qwen3
 (q/k norm), and the MoE families Qwen3-MoE and GLM-4.5/4.6 (partial RoPE, attention bias, optional
-q/k norm, shared experts), whose sparse layers hold a MoeMLP. Linear layers and expert stacks hold
-one weight format per phase."""
+q/k norm, shared experts), whose sparse layers' MLP comes from models/moe.py. The whole model
+(``LlamaForCausalLM``: embeddings, layers, head) also serves DeepSeek-V3, whose layers are
+models/mla.py's ``MlaDecoderLayer``. Linear layers and expert stacks hold one weight format per
+phase."""
 
 from __future__ import annotations
 
@@ -16,18 +18,18 @@ from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.int8 import exact_int8_head
 from pagoda.kernels.linear import Int8Linear
 from pagoda.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, write_kv
+from pagoda.kernels.selector import KernelSelection, select_kernels
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig
+from pagoda.node_agent.models.decoder import LayerBase
 from pagoda.node_agent.models.layers import (  # noqa: F401  (PHASES, prequantized_format: re-exported)
     PHASES,
-    DenseMLP,
     PhaseLinear,
     RMSNorm,
     fused_linear,
     prequantized_format,
 )
-from pagoda.node_agent.models.mla import MlaAttention
-from pagoda.node_agent.models.moe import MoeMLP
+from pagoda.node_agent.models.mla import MlaDecoderLayer
 from pagoda.node_agent.models.native_decode import NativeDecode
 from pagoda.node_agent.models.parallel import ColumnShard, TensorParallel
 from pagoda.node_agent.models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
@@ -51,7 +53,10 @@ def _to_device(v, device: torch.device):
     return v.to(device)
 
 
-class DecoderLayer:
+class DecoderLayer(LayerBase):
+    """A Llama-family layer: grouped-query attention over K/V pages (fused q/k/v where the weights
+    stack exactly, optional q/k norms and qkv bias), then the layer's dense or MoE MLP."""
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -59,57 +64,35 @@ class DecoderLayer:
         w: dict[str, torch.Tensor],
         formats: dict[str, str],
         dtype: torch.dtype,
-        backend: str | None,
+        kernels: KernelSelection | None,
         group_size: int | None = None,
         tp: TensorParallel | None = None,
     ) -> None:
         p = f"model.layers.{idx}."
-        self.idx = idx
-        self.cfg = cfg
-        self.tp = tp  # tensor parallel: o_proj and the MLP give partial sums, reduced here
 
         def lin(name: str) -> PhaseLinear:
             return PhaseLinear(
-                w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, backend, group_size
+                w[p + name + ".weight"], w.get(p + name + ".bias"), formats, dtype, kernels, group_size
             )
 
-        self.mla: MlaAttention | None = None
-        self.qkv_proj: PhaseLinear | None = None
-        if cfg.mla is not None:  # DeepSeek-V3: latent attention; no q/k/v projections
-            self.mla = MlaAttention(cfg, idx, p + "self_attn.", w, formats, dtype, backend, group_size)
-            self.q_proj = self.k_proj = self.v_proj = None
-            self.o_proj = self.mla.o_proj
-        else:
-            names = [p + f"self_attn.{n}_proj" for n in "qkv"]
-            self.qkv_proj = fused_linear(w, names, formats, dtype, backend, group_size)
-            self.qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-            self.q_proj = self.k_proj = self.v_proj = None
-            if self.qkv_proj is None:  # weights of different kinds: three GEMMs
-                self.q_proj, self.k_proj, self.v_proj = (
-                    lin("self_attn.q_proj"),
-                    lin("self_attn.k_proj"),
-                    lin("self_attn.v_proj"),
-                )
-            self.o_proj = lin("self_attn.o_proj")
-        self.mlp: DenseMLP | MoeMLP
-        if cfg.is_sparse(idx):
-            experts = tp.plan.experts if tp is not None else None
-            self.mlp = MoeMLP(
-                cfg.moe, cfg.hidden_size, p + "mlp.", w, formats, dtype, backend, group_size, experts
+        names = [p + f"self_attn.{n}_proj" for n in "qkv"]
+        self.qkv_proj = fused_linear(w, names, formats, dtype, kernels, group_size)
+        self.qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        self.q_proj = self.k_proj = self.v_proj = None
+        if self.qkv_proj is None:  # weights of different kinds: three GEMMs
+            self.q_proj, self.k_proj, self.v_proj = (
+                lin("self_attn.q_proj"),
+                lin("self_attn.k_proj"),
+                lin("self_attn.v_proj"),
             )
-        else:
-            self.mlp = DenseMLP(p + "mlp", w, formats, dtype, backend, group_size)
-        self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
-        self.post_norm = RMSNorm(w[p + "post_attention_layernorm.weight"].to(dtype), cfg.rms_norm_eps)
-        self.q_norm = self.k_norm = None
+        self.o_proj = lin("self_attn.o_proj")
+        super().__init__(cfg, idx, w, formats, dtype, kernels, group_size, tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(w[p + "self_attn.q_norm.weight"].to(dtype), cfg.rms_norm_eps)
             self.k_norm = RMSNorm(w[p + "self_attn.k_norm.weight"].to(dtype), cfg.rms_norm_eps)
 
     def linears(self) -> list[PhaseLinear]:
         """Attention, dense-MLP and shared-expert linear layers (not the routed experts)."""
-        if self.mla is not None:
-            return [*self.mla.linears(), *self.mlp.linears()]
         attn = [self.qkv_proj] if self.qkv_proj is not None else [self.q_proj, self.k_proj, self.v_proj]
         return [*attn, self.o_proj, *self.mlp.linears()]
 
@@ -134,9 +117,6 @@ class DecoderLayer:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, phase: str
     ) -> torch.Tensor:
         cfg = self.cfg
-        if self.mla is not None:
-            x = x + self._reduce(self.mla(self.input_norm(x), cos, sin, b, phase))
-            return x + self._reduce(self.mlp(self.post_norm(x), phase))
         q, k, v = self.qkv(self.input_norm(x), cos, sin, phase)
         cache = b.kv.layer_cache(self.idx)
         scales = b.kv.layer_scales(self.idx)
@@ -172,10 +152,6 @@ class DecoderLayer:
         x, h = OPS["add_rms_norm"](x, attn, *self.post_norm.args())
         return x + self._reduce(self.mlp(h, phase))
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The whole output from every rank's partial sum (the identity on one rank)."""
-        return partial if self.tp is None else self.tp.all_reduce(partial)
-
 
 class LlamaForCausalLM:
     """The whole decoder: embeddings, layers, final norm and LM head (tied or not)."""
@@ -187,21 +163,25 @@ class LlamaForCausalLM:
         formats: dict[str, str],
         dtype: torch.dtype,
         device: torch.device,
-        backend: str | None = None,
+        kernels: KernelSelection | None = None,
         int4_group_size: int | None = None,
         decode_head_format: str = "dense",
         head_phases_shared: bool = False,
         tp: TensorParallel | None = None,
     ) -> None:
         self.cfg = cfg  # under tensor parallelism: this rank's slice (its heads and MLP width)
+        # which backend runs each op (kernels/selector.py); raises where the native kernels should
+        # run but do not build
+        self.kernels = kernels = kernels or select_kernels(device, dtype)
+        backend = kernels.backend
         self.dtype = dtype
         self.device = device
         self.tp = tp
         w = {k: _to_device(v, device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"].to(dtype)
+        layer_type = MlaDecoderLayer if cfg.mla is not None else DecoderLayer
         self.layers = [
-            DecoderLayer(cfg, i, w, formats, dtype, backend, int4_group_size, tp)
-            for i in range(cfg.num_layers)
+            layer_type(cfg, i, w, formats, dtype, kernels, int4_group_size, tp) for i in range(cfg.num_layers)
         ]
         self.norm = RMSNorm(w["model.norm.weight"].to(dtype), cfg.rms_norm_eps)
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
@@ -216,12 +196,18 @@ class LlamaForCausalLM:
         head_formats = {"prefill": decode_head if head_phases_shared else "bf16", "decode": decode_head}
         built = {"int8": Int8Linear(exact, dtype, backend)} if exact is not None else None  # checked once
         self.lm_head = PhaseLinear(
-            head, None, head_formats, dtype, backend, group_size=HEAD_INT4_GROUP, built=built
+            head, None, head_formats, dtype, kernels, group_size=HEAD_INT4_GROUP, built=built
         )
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
         # decode steps as one native call per layer where every layer allows it (CPU, float32, INT4)
         self.native, self.native_reason = NativeDecode.build(self.layers, dtype, device, self.cos.shape[-1])
-        log.info("native decode layers: %s", "on" if self.native else f"off ({self.native_reason})")
+        if self.native is not None:
+            kernels.note("decode_layers", "native", "every layer one native call (float32, INT4)")
+        elif kernels.table["decode_layers"].backend == "native":
+            kernels.note("decode_layers", "off", self.native_reason)
+        if self.decode_head_format != "int8":
+            kernels.note("int8_head_gemm", "unused", f"the decode LM head is {self.decode_head_format}")
+        kernels.log_table()
 
     @torch.inference_mode()
     def hidden(self, b: StepBatch, weights_phase: str | None = None) -> torch.Tensor:

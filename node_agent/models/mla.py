@@ -6,7 +6,7 @@ Per token the pool stores two one-head components (engine/kv_setup.kv_components
 folds into the query, attention runs in latent space (kernels/mla_attention.py) and W_UV (its value
 rows) maps the result back per head before o_proj. kv_b_proj stays dense in the compute dtype (it
 is only ever used as those two per-head matrices); q_a/q_b (or q_proj), kv_a and o_proj follow the
-phase's weight format."""
+phase's weight format. ``MlaDecoderLayer`` is the whole layer (this attention, then the MLP)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import torch
 
 from pagoda.kernels.mla_attention import paged_mla_attention
 from pagoda.kernels.paged_attention import write_kv
+from pagoda.kernels.selector import KernelSelection
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.config import ModelConfig, ModelLoadError
+from pagoda.node_agent.models.decoder import LayerBase
 from pagoda.node_agent.models.layers import PhaseLinear, RMSNorm
+from pagoda.node_agent.models.parallel import TensorParallel
 from pagoda.node_agent.models.rope import apply_rope, deinterleave
 
 # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm do not take rms_norm_eps
@@ -35,7 +38,7 @@ class MlaAttention:
         w: dict[str, torch.Tensor],
         formats: dict[str, str],
         dtype: torch.dtype,
-        backend: str | None,
+        kernels: KernelSelection | None,
         group_size: int | None = None,
     ) -> None:
         self.idx = idx
@@ -44,7 +47,7 @@ class MlaAttention:
 
         def lin(name: str, fmts: dict[str, str] = formats) -> PhaseLinear:
             return PhaseLinear(
-                w[prefix + name + ".weight"], w.get(prefix + name + ".bias"), fmts, dtype, backend, group_size
+                w[prefix + name + ".weight"], w.get(prefix + name + ".bias"), fmts, dtype, kernels, group_size
             )
 
         self.q_proj = self.q_a_proj = self.q_b_proj = self.q_a_norm = None
@@ -110,3 +113,34 @@ class MlaAttention:
         )
         o = torch.einsum("thr,hvr->thv", o_lat, self.w_uv.to(o_lat.dtype))  # W_UV after attention
         return self.o_proj(o.reshape(t, -1), phase)
+
+
+class MlaDecoderLayer(LayerBase):
+    """A DeepSeek-V3 decoder layer: latent attention, then the (dense or MoE) MLP."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        idx: int,
+        w: dict[str, torch.Tensor],
+        formats: dict[str, str],
+        dtype: torch.dtype,
+        kernels: KernelSelection | None,
+        group_size: int | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        p = f"model.layers.{idx}.self_attn."
+        self.mla = MlaAttention(cfg, idx, p, w, formats, dtype, kernels, group_size)
+        self.q_proj = self.k_proj = self.v_proj = None
+        self.o_proj = self.mla.o_proj
+        super().__init__(cfg, idx, w, formats, dtype, kernels, group_size, tp)
+
+    def linears(self) -> list[PhaseLinear]:
+        """Attention, dense-MLP and shared-expert linear layers (not the routed experts)."""
+        return [*self.mla.linears(), *self.mlp.linears()]
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: StepBatch, phase: str
+    ) -> torch.Tensor:
+        x = x + self._reduce(self.mla(self.input_norm(x), cos, sin, b, phase))
+        return x + self._reduce(self.mlp(self.post_norm(x), phase))

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from pagoda.kernels.dispatch import select_backend
 from pagoda.kernels.int4 import pick_group_size
 from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack
+from pagoda.kernels.selector import KernelSelection
 from pagoda.node_agent.models.checkpoint_formats import dense_experts, prequantized_expert_stack
-from pagoda.node_agent.models.config import ModelLoadError, MoeConfig
+from pagoda.node_agent.models.config import ModelConfig, ModelLoadError, MoeConfig
 from pagoda.node_agent.models.layers import PHASES, DenseMLP, PhaseLinear
+from pagoda.node_agent.models.parallel import TensorParallel
 
 # The engine's weight format names -> the expert stack's format (dense ones keep their dtype).
 _STACK_FORMATS = {"bf16": "dense", "fp32": "dense", "fp8": "fp8", "int4": "int4"}
@@ -100,14 +102,14 @@ class MoeMLP:
         w: dict[str, torch.Tensor],
         formats: dict[str, str],
         dtype: torch.dtype,
-        backend: str | None,
+        kernels: KernelSelection | None,
         group_size: int | None = None,
         experts: tuple[int, int] | None = None,
     ) -> None:
         """``experts``: the range of routed experts this rank holds (expert parallelism; renumbered
         from 0 in ``w``), None for all of them."""
         self.cfg = cfg
-        self.backend = backend
+        self.backend = backend = None if kernels is None else kernels.backend
         self.experts = experts or (0, cfg.num_experts)
         n_local = self.experts[1] - self.experts[0]
         self.router = w[prefix + "gate.weight"].float().contiguous()  # [E, H], dense float32
@@ -160,7 +162,7 @@ class MoeMLP:
                 made[key] = stack
             self.stacks[phase] = made[key]
         self.shared = (
-            DenseMLP(prefix + "shared_experts", w, formats, dtype, backend, group_size)
+            DenseMLP(prefix + "shared_experts", w, formats, dtype, kernels, group_size)
             if cfg.n_shared_experts
             else None
         )
@@ -208,3 +210,21 @@ class MoeMLP:
 
     def router_bytes(self) -> int:
         return self.router.nbytes + self.correction_bias.nbytes
+
+
+def layer_mlp(
+    cfg: ModelConfig,
+    idx: int,
+    w: dict[str, torch.Tensor],
+    formats: dict[str, str],
+    dtype: torch.dtype,
+    kernels: KernelSelection | None,
+    group_size: int | None = None,
+    tp: TensorParallel | None = None,
+) -> DenseMLP | MoeMLP:
+    """Layer ``idx``'s MLP: a MoeMLP for the sparse layers of a MoE family, else a DenseMLP."""
+    p = f"model.layers.{idx}.mlp"
+    if cfg.is_sparse(idx):
+        experts = tp.plan.experts if tp is not None else None
+        return MoeMLP(cfg.moe, cfg.hidden_size, p + ".", w, formats, dtype, kernels, group_size, experts)
+    return DenseMLP(p, w, formats, dtype, kernels, group_size)

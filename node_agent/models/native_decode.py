@@ -9,7 +9,6 @@ runs the torch path; ``NativeDecode.build`` says why a model is not served.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -24,12 +23,13 @@ from pagoda.kernels.cpu_decode_layer_native import (
 )
 from pagoda.kernels.dispatch import record, select_backend
 from pagoda.kernels.linear import Int4Linear
+from pagoda.kernels.switches import SWITCHES, switch_on
 from pagoda.node_agent.models.batch import StepBatch
 from pagoda.node_agent.models.layers import DenseMLP
 
-DecoderLayer = Any  # models/llama.py's DecoderLayer (which imports this module)
+DecoderLayer = Any  # a layer of models/decoder.py's LayerBase kind (llama.py imports this module)
 
-ENV_VAR = "PAGODA_NATIVE_DECODE"
+ENV_VAR = SWITCHES["native_decode"]
 
 
 def _int4(linear, bias_ok: bool = False) -> object | None:
@@ -88,7 +88,7 @@ class NativeDecode:
     @classmethod
     def build(cls, layers: list[DecoderLayer], dtype: torch.dtype, device: torch.device, rope_dims: int):
         """(NativeDecode, "") when every layer can run natively, else (None, the reason)."""
-        if os.environ.get(ENV_VAR, "1") == "0":
+        if not switch_on("native_decode"):
             return None, f"{ENV_VAR}=0"
         if device.type != "cpu" or dtype != torch.float32:
             return None, "not float32 on a CPU"
@@ -106,7 +106,7 @@ class NativeDecode:
 
     def serves(self, b: StepBatch, weights_phase: str) -> list[LayerPages] | None:
         """This step's (caches, scales, C modes) per layer when the native path runs it, else None."""
-        if b.phase != "decode" or weights_phase != "decode" or os.environ.get(ENV_VAR, "1") == "0":
+        if b.phase != "decode" or weights_phase != "decode" or not switch_on("native_decode"):
             return None
         if select_backend(b.input_ids.device, b.kernel_backend) != "cpu":
             return None

@@ -21,6 +21,15 @@ def check_environment(res: dict, bench: str, threads: int | None = None) -> None
     assert res["git"] is None or len(res["git"]["commit"]) == 40
     assert datetime.datetime.fromisoformat(res["date"]).tzinfo is not None
     assert res["command"].startswith(f"pagoda bench {bench}")
+    check_kernels(res)
+
+
+def check_kernels(res: dict) -> None:
+    """The kernel table (kernels/selector.py): every op with its backend and why."""
+    k = res["kernels"]
+    assert k["device"] in ("cpu", "cuda") and k["int4_compute"] in ("float32", "bf16")
+    assert {"int4_gemm", "paged_attention_decode", "decode_layers"} <= set(k["ops"])
+    assert all(row["backend"] and row["why"] for row in k["ops"].values())
 
 
 def check_spread(row: dict, key: str, repeats: int) -> None:

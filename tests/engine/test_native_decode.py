@@ -11,6 +11,7 @@ from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
 from pagoda.node_agent.engine.config import PhaseFormats
 from pagoda.node_agent.params import SamplingParams
 
+from ..native_build import require_native
 from .prompts import greedy_ids
 
 NEW_TOKENS = 24
@@ -26,6 +27,7 @@ def _greedy(engine) -> list[list[int]]:
     [("int8", "per-token-k"), ("fp8_e4m3", "per-token-k"), ("fp8_e4m3", "per-head"), ("bf16", "per-token-k")],
 )
 def test_native_layers_give_the_torch_paths_tokens(make_engine, monkeypatch, decode_kv, granularity):
+    require_native()
     engine = make_engine(
         formats=PhaseFormats(decode_kv=decode_kv), kv_scale_granularity=granularity, max_num_seqs=8
     )
@@ -67,6 +69,7 @@ def test_what_the_native_layer_does_not_serve_runs_the_torch_path(make_engine, m
 
 
 def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
+    require_native()
     from pagoda.kernels.cpu_decode_layer_native import page_modes, run_decode_layers
 
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
@@ -89,6 +92,7 @@ def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
 
 
 def test_nan_in_a_projection_falls_back_to_the_torch_path(make_engine, monkeypatch):
+    require_native()
     """The VNNI GEMM refuses NaN or inf (code 6): the layers raise FloatingPointError naming the
     projection, and the model runs that step's torch path, which gives float semantics."""
     from pagoda.kernels.cpu_decode_layer_native import page_modes, run_decode_layers

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_testing import make_paged_kv
+from kernel_testing import make_paged_kv, require_native
 
 from pagoda.kernels import cpu_attention_native as native
 from pagoda.kernels import paged_attention as pa
-from pagoda.kernels.cpu_int4_native import library, status
+from pagoda.kernels.cpu_int4_native import library
 from pagoda.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 from pagoda.kernels.int8_format import INT8_DTYPE, quantize_int8
 from pagoda.kernels.paged_attention import (
@@ -27,10 +27,12 @@ from pagoda.kernels.paged_attention import (
     write_kv,
 )
 
-needs_native = pytest.mark.skipif(
-    library() is None, reason=f"native CPU kernels unavailable: {status['reason']}"
-)
-pytestmark = needs_native
+
+@pytest.fixture(autouse=True)
+def needs_native() -> None:
+    """Every test here runs the native library: skipped without a C compiler, failed if it broke."""
+    require_native()
+
 
 # per-token K + static V (the default pool), static both, float32, int8 (per-token scales both)
 KINDS = ["fp8tok", "fp8", "fp32", "int8"]

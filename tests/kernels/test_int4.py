@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_testing import DEVICE, needs_triton
+from kernel_testing import DEVICE, native_built, needs_triton, require_native
 
 from pagoda.kernels.int4 import (
     Int4Weight,
@@ -206,12 +206,11 @@ def test_triton_int4_float_zero(m):
 @pytest.mark.parametrize("g,sym", [(32, False), (64, True), (128, False)])
 def test_native_float32_kernel_matches_reference(m, g, sym):
     """The float32 CPU kernel (cpu_int4.c, built at run time) against the reference dequant + matmul."""
-    from pagoda.kernels.cpu_int4_native import native_int4_mm, status
+    from pagoda.kernels.cpu_int4_native import native_int4_mm
 
     qw, x, _ = _case(m, 41, 256, g, sym, seed=m)  # odd N: rows of W in pairs and one alone
+    require_native()
     y = native_int4_mm(x, qw.packed, qw.scales, qw.offsets().contiguous(), g)
-    if y is None:
-        pytest.skip(f"native INT4 kernel unavailable here: {status['reason']}")
     ref = x @ dequantize_int4(qw).t()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     fz, w = _float_zero_case(24, 96, 32, seed=m)
@@ -224,30 +223,27 @@ def test_int4_linear_compute_modes(monkeypatch, tmp_path):
     interleaved for the VNNI kernel); bf16 (or no compiler) the int4pack op over bf16 copies, so only
     the float32 path agrees with the reference to 1e-5."""
     from pagoda.kernels import cpu_int4_native
-    from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
+    from pagoda.kernels.linear import make_linear_weight
 
     w, x = torch.randn(48, 128), torch.randn(3, 128)
     ref = x @ dequantize_int4(quantize_int4(w, 32)).t()
-    with int4_cpu_compute("float32"):
-        exact = make_linear_weight(w, "int4", torch.float32, group_size=32)
-    if exact.weight.cpu_compute == "float32":
+    exact = make_linear_weight(w, "int4", torch.float32, group_size=32, int4_compute="float32")
+    if native_built():
+        assert exact.weight.cpu_compute == "float32"
         assert exact.weight.native_nibbles() is not None and not exact.weight._cpu  # no bf16 copy
         torch.testing.assert_close(exact.apply(x), ref, rtol=1e-5, atol=1e-5)
-    with int4_cpu_compute("bf16"):
-        fast = make_linear_weight(w, "int4", torch.float32, group_size=32)
+    fast = make_linear_weight(w, "int4", torch.float32, group_size=32, int4_compute="bf16")
     assert fast.weight.cpu_compute == "bf16" and fast.weight.packed is None  # only the int4pack layout
     assert rel_err(fast.apply(x), ref) < 1e-2
     with pytest.raises(ValueError, match="float32, bf16"):
-        with int4_cpu_compute("fp16"):
-            pass
+        make_linear_weight(w, "int4", torch.float32, group_size=32, int4_compute="fp16")
     # no compiler: the float32 request falls back to the bf16 op, saying why (status)
     monkeypatch.setattr(cpu_int4_native, "_lib", None)
     monkeypatch.setitem(cpu_int4_native.status, "reason", "not built yet")
     monkeypatch.setitem(cpu_int4_native.status, "loaded", False)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
-    with int4_cpu_compute("float32"):
-        fallback = make_linear_weight(w, "int4", torch.float32, group_size=32)
+    fallback = make_linear_weight(w, "int4", torch.float32, group_size=32, int4_compute="float32")
     assert fallback.weight.cpu_compute == "bf16" and cpu_int4_native.status["loaded"] is False
     assert rel_err(fallback.apply(x), ref) < 1e-2
 
@@ -256,13 +252,12 @@ def test_float32_compute_keeps_exact_fp16_params_in_fp16():
     """GGUF-style scales and mins (float16 values) are held as 12-bit codes into a float16 table for
     the native kernel: under 5 bits a weight, the same values; with more distinct values than codes
     reach they stay float16; float32 ones that float16 cannot hold stay float32."""
-    from pagoda.kernels.linear import int4_cpu_compute, make_linear_weight
+    from pagoda.kernels.linear import make_linear_weight
 
+    require_native()
     qw, w = _float_zero_case(32, 128, 32, seed=3)
-    with int4_cpu_compute("float32"):
-        lin = make_linear_weight(qw, "int4", torch.float32)
-    if lin.weight.cpu_compute != "float32":
-        pytest.skip("native INT4 kernel unavailable here (no C compiler)")
+    lin = make_linear_weight(qw, "int4", torch.float32)
+    assert lin.weight.cpu_compute == "float32"
     codes = lin.weight.codes
     assert codes is not None and lin.weight.scales is None and lin.weight.mins is None
     assert codes.table.dtype == torch.float16 and codes.codes.shape == (32, 4, 3)
@@ -272,8 +267,7 @@ def test_float32_compute_keeps_exact_fp16_params_in_fp16():
     assert torch.equal(dequantize_int4(lin.weight), w)  # (expands the codes back to float16)
     assert lin.weight.codes is None and lin.weight.scales.dtype == torch.float16
     many, w_many = _float_zero_case(64, 4096, 32, seed=4)  # 8192 groups: > 4096 distinct values
-    with int4_cpu_compute("float32"):
-        wide = make_linear_weight(many, "int4", torch.float32)
+    wide = make_linear_weight(many, "int4", torch.float32)
     assert wide.weight.codes is None and wide.weight.scales.dtype == torch.float16
     assert wide.nbytes == 64 * 2048 + 2 * (64 * 128 * 2)
     torch.testing.assert_close(
@@ -281,8 +275,7 @@ def test_float32_compute_keeps_exact_fp16_params_in_fp16():
     )
     fresh, _ = _float_zero_case(32, 128, 32, seed=3)  # (make_linear_weight adopts the object it gets)
     odd = Int4Weight(32, 128, 32, False, fresh.packed, fresh.scales * (1 + 2**-20), None, fresh.mins)
-    with int4_cpu_compute("float32"):
-        kept = make_linear_weight(odd, "int4", torch.float32)
+    kept = make_linear_weight(odd, "int4", torch.float32)
     assert kept.weight.scales.dtype == torch.float32
 
 

@@ -66,10 +66,11 @@ def _q4_1(n: int, k: int, seed: int) -> Int4Weight:
 
 @pytest.fixture(scope="module")
 def native():
+    from kernel_testing import require_native
+
     from pagoda.kernels import cpu_int4_native
 
-    if cpu_int4_native.library() is None:
-        pytest.skip(f"native INT4 kernel unavailable: {cpu_int4_native.status['reason']}")
+    require_native()
     return cpu_int4_native
 
 

@@ -91,13 +91,14 @@ def test_the_builtin_int8_head_is_its_q8_0_embedding(make_engine):
 
 def test_the_auto_head_is_int8_only_where_that_loses_nothing(make_engine):
     """``auto`` (the default) takes int8 blocks for a Q8_0 head with float32 CPU compute, else dense."""
-    from pagoda.kernels.cpu_int4_native import status
+    from kernel_testing import require_native
+
     from pagoda.kernels.int8 import exact_int8_head
 
     cpu = torch.device("cpu")
     q8 = q8_blocks(64, 160, seed=3)
-    if exact_int8_head(q8, torch.float32, cpu) is None:
-        pytest.skip(f"native kernel unavailable here: {status['reason']}")
+    require_native()
+    assert exact_int8_head(q8, torch.float32, cpu) is not None
     assert exact_int8_head(q8 + 1e-3, torch.float32, cpu) is None  # not blocks: rounding would lose
     assert exact_int8_head(q8.bfloat16(), torch.bfloat16, cpu) is None
     assert exact_int8_head(q8, torch.float32, torch.device("meta")) is None

@@ -8,6 +8,7 @@ both or router); KV series add ``kv_pool``, the engine's own page pool they desc
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -269,6 +270,22 @@ class EngineCollector(Collector):
         )
         info.add_metric([p], {"model": s.model, "integrity": s.integrity_mode, **s.formats})
         yield info
+        kernels = InfoMetricFamily(
+            "pagoda_kernel_backend",
+            "The backend each kernel op runs (kernels/selector.py)",
+            labels=["pool", "op"],
+        )
+        for op, backend in kernel_backends().items():
+            kernels.add_metric([p, op], {"backend": backend})
+        yield kernels
+
+
+def kernel_backends() -> dict[str, str]:
+    """op -> backend of the kernel selection this process's model was built with ({} before one, and
+    in a process that runs no model: the kernels are not even imported there, so neither is torch)."""
+    selector = sys.modules.get("pagoda.kernels.selector")
+    selection = selector.active_selection() if selector is not None else None
+    return {} if selection is None else {op: backend for op, backend, _ in selection.rows()}
 
 
 def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFamily]:
