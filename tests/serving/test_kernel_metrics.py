@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.kernels.selector import select_kernels
-from pagoda.node_agent.serving.metrics import EngineSnapshot, ServeMetrics, kernel_backends
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot, ServeMetrics, kernel_backends
 
 
 def test_the_kernel_table_is_an_info_series_per_op() -> None:
