@@ -9,12 +9,13 @@ import torch
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.params import SamplingParams
+from tests.tiny_models import TOKENIZER_VOCAB, save_random_model
 
 # float32 end to end; paged attention and fused ops reorder sums, so allow a little rounding.
 MAX_ABS_LOGIT_DIFF = 2e-4
 
 COMMON = dict(
-    vocab_size=49152,
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -56,18 +57,14 @@ def _configs():
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "llama3_rope", "linear_rope"])
 def tiny_model(request, tmp_path_factory, builtin_tokenizer):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = _configs()[request.param]
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    if request.param in ("qwen2", "linear_rope"):  # q/k/v biases are zero-initialised; make them matter
+    def draw_biases(model) -> None:  # q/k/v biases are zero-initialised; make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+
+    prepare = draw_biases if request.param in ("qwen2", "linear_rope") else None
     path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(path)
+    model, path = save_random_model(_configs()[request.param], path, builtin_tokenizer, prepare=prepare)
     engine = LLMEngine(
         EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=8 << 20)
     )

@@ -16,6 +16,7 @@ from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.mla import MlaAttention
 from pagoda.node_agent.models.moe import MoeMLP
 from pagoda.node_agent.params import SamplingParams
+from tests.tiny_models import TOKENIZER_VOCAB, save_random_model
 
 # float32 end to end; the absorbed form (W_UK folded into q, W_UV after attention) and the paged
 # gathers reorder sums, nothing else differs.
@@ -39,7 +40,7 @@ def _hf_config():
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=49152,  # the built-in tokenizer's
+        vocab_size=TOKENIZER_VOCAB,
         hidden_size=64,
         intermediate_size=128,
         moe_intermediate_size=32,
@@ -72,18 +73,15 @@ def _hf_config():
 
 @pytest.fixture(scope="module")
 def tiny_mla(tmp_path_factory, builtin_tokenizer):
-    from transformers import AutoModelForCausalLM
+    def draw_routers(model) -> None:  # routers that matter (transformers zero-initialises them)
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                torch.nn.init.normal_(gate.weight, std=0.5)
+                gate.e_score_correction_bias.normal_(std=0.2)
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config()).float().eval()
-    for layer in model.model.layers:  # routers that matter (transformers zero-initialises them)
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:
-            torch.nn.init.normal_(gate.weight, std=0.5)
-            gate.e_score_correction_bias.normal_(std=0.2)
     path = tmp_path_factory.mktemp("deepseek_v3")
-    model.save_pretrained(path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(path)
+    model, path = save_random_model(_hf_config(), path, builtin_tokenizer, prepare=draw_routers)
     engine = _engine(path)
     return model, engine, path
 
@@ -172,15 +170,10 @@ def test_cli_generate_matches_transformers(tiny_mla, capsys):
 
 def test_plain_q_proj_and_rotate_half_rope_variant(tmp_path, builtin_tokenizer):
     """q_lora_rank null (a plain q_proj), rope_interleave false and no RoPE scaling: logits match."""
-    from transformers import AutoModelForCausalLM
-
     cfg = _hf_config()
     cfg.q_lora_rank, cfg.rope_interleave, cfg.num_hidden_layers = None, False, 2
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(tmp_path)
+    model, _ = save_random_model(cfg, tmp_path, builtin_tokenizer, seed=1)
     engine = _engine(tmp_path)
     mc = engine.model_config
     assert mc.mla.q_lora_rank is None and not mc.mla.rope_interleave and mc.rope_scaling is None

@@ -16,6 +16,7 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.moe import MoeMLP
 from pagoda.node_agent.params import SamplingParams
+from tests.tiny_models import TOKENIZER_VOCAB, save_random_model
 
 # float32 end to end (router included); paged attention and the grouped expert GEMMs reorder sums.
 MAX_ABS_LOGIT_DIFF = 1e-3
@@ -42,7 +43,7 @@ PROMPTS = [
 ]
 
 COMMON = dict(
-    vocab_size=49152,  # the built-in tokenizer's
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=64,
     intermediate_size=128,
     moe_intermediate_size=64,
@@ -92,15 +93,11 @@ def _randomize_routing(model, arch: str) -> None:
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe"])
 def tiny_moe(request, tmp_path_factory, builtin_tokenizer):
-    from transformers import AutoModelForCausalLM
-
     arch = request.param
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config(arch)).eval()
-    _randomize_routing(model, arch)
     path = tmp_path_factory.mktemp(arch)
-    model.save_pretrained(path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(path)
+    model, path = save_random_model(
+        _hf_config(arch), path, builtin_tokenizer, prepare=lambda m: _randomize_routing(m, arch)
+    )
     engine = LLMEngine(
         EngineConfig(model=str(path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=8 << 20)
     )

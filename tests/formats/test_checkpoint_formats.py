@@ -21,6 +21,7 @@ from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, pars
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.loader import load_model
 from pagoda.node_agent.models.moe import MoeMLP
+from tests.tiny_models import TOKENIZER_VOCAB, random_causal_lm
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ MAX_FP8_REQUANT_REL_ERR = 0.04
 MAX_FP8_REL_LOGIT_ERR = 0.12
 
 LLAMA = dict(
-    vocab_size=49152,  # the built-in tokenizer's
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=192,  # 1.5 FP8 blocks: a partial block on both axes
     intermediate_size=320,
     num_hidden_layers=2,
@@ -79,21 +80,22 @@ LLAMA = dict(
 
 
 def _hf_model(arch: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    torch.manual_seed(0)
     if arch == "llama":
         cfg = LlamaConfig(**LLAMA)
     else:
         cfg = Qwen3MoeConfig(
             **LLAMA, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
         )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    for layer in model.model.layers:
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and getattr(gate, "weight", None) is not None:
-            torch.nn.init.normal_(gate.weight, std=0.5)  # routing that depends on the input
-    return model
+
+    def draw_routers(model) -> None:
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and getattr(gate, "weight", None) is not None:
+                torch.nn.init.normal_(gate.weight, std=0.5)  # routing that depends on the input
+
+    return random_causal_lm(cfg, prepare=draw_routers)
 
 
 # ---------------------------------------------------------------- independent encoders

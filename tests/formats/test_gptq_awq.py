@@ -20,6 +20,7 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.loader import load_model
+from tests.tiny_models import TOKENIZER_VOCAB, random_causal_lm
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble i of a word holds output column 8c + this[i]
 NAME = "model.layers.0.mlp.down_proj"
@@ -192,7 +193,7 @@ def test_mismatched_tensors_name_the_tensor():
 # ---------------------------------------------------------------- engine level
 
 TINY = dict(
-    vocab_size=49152,  # the built-in tokenizer's
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=192,
     intermediate_size=320,
     num_hidden_layers=2,
@@ -223,10 +224,9 @@ def _rtn(w: torch.Tensor, g: int, min_zero: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_tiny_llama_serves_the_checkpoint_like_transformers_dequantized(method, tmp_path, builtin_tokenizer):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY)).eval()
+    model = random_causal_lm(LlamaConfig(**TINY))
     g = 64 if method == "gptq" else 32
     stored, deq = {}, {}
     for name, t in model.state_dict().items():

@@ -17,6 +17,7 @@ from pagoda.node_agent.models.config import LINEAR_NAMES
 from pagoda.node_agent.models.int4_quant import clip_search, quantize_rtn
 from pagoda.node_agent.models.loader import load_model
 from pagoda.node_agent.models.quantize import MANIFEST, format_report, quantize_checkpoint
+from tests.tiny_models import random_causal_lm, save_random_model
 
 from .test_gptq_awq import TINY, _gptq_qc, _rtn, dequant, encode_gptq
 
@@ -26,12 +27,11 @@ TINY_DENSE = {**TINY, "intermediate_size": 384, "max_position_embeddings": 1024}
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, builtin_tokenizer):
     """A dense float32 tiny Llama saved by transformers, with the built-in tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-dense")
-    AutoModelForCausalLM.from_config(LlamaConfig(**TINY_DENSE)).save_pretrained(path)
-    builtin_tokenizer._tok.save_pretrained(path)
+    _, path = save_random_model(
+        LlamaConfig(**TINY_DENSE), tmp_path_factory.mktemp("tiny-dense"), builtin_tokenizer
+    )
     return path
 
 
@@ -142,10 +142,9 @@ def test_int4_source_is_written_through_unchanged(tmp_path, builtin_tokenizer):
     """A GPTQ checkpoint's INT4 weights are copied as they are (no requantization), and the report
     says so; --requantize would quantize them again."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_DENSE))
+    model = random_causal_lm(LlamaConfig(**TINY_DENSE))
     src = tmp_path / "gptq"
     src.mkdir()
     stored = {}

@@ -13,6 +13,7 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.memory import estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.models.weight_bytes import PARTS
 from tests.engine.test_moe_models import _hf_config
+from tests.tiny_models import save_random_model
 
 
 def _consistent(wb: dict) -> None:
@@ -65,13 +66,9 @@ def test_builtin_int4_linears_are_under_0_3x_bf16(int4_fp8_engine, engine) -> No
 @pytest.fixture(scope="module")
 def mixed_moe(tmp_path_factory, builtin_tokenizer) -> LLMEngine:
     """A tiny GLM-4.5-MoE (shared + routed experts) with bf16 prefill and INT4 decode weights."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_hf_config("glm4_moe")).eval()
-    path = tmp_path_factory.mktemp("glm4_moe_bytes")
-    model.save_pretrained(path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(path)
+    _, path = save_random_model(
+        _hf_config("glm4_moe"), tmp_path_factory.mktemp("glm4_moe_bytes"), builtin_tokenizer
+    )
     formats = PhaseFormats("bf16", "bf16", "int4", "bf16")
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", formats=formats, kv_memory=8 << 20))
 
@@ -107,13 +104,9 @@ def test_moe_parts_and_formats(mixed_moe) -> None:
 def test_mla_model_counts_every_checkpoint_tensor_once(tmp_path, builtin_tokenizer) -> None:
     """A tiny DeepSeek-V3 in reference formats (float32): each checkpoint tensor is held once at 4 bytes
     a value, latent attention (LoRA projections, their norms, kv_b_proj) under attention/other."""
-    from transformers import AutoModelForCausalLM
-
     from tests.engine.test_mla import _hf_config as mla_config
 
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(mla_config()).float().save_pretrained(tmp_path, safe_serialization=True)
-    builtin_tokenizer._tok.save_pretrained(tmp_path)
+    save_random_model(mla_config(), tmp_path, builtin_tokenizer)
     engine = LLMEngine(
         EngineConfig(
             model=str(tmp_path), dtype="float32", formats=PhaseFormats.reference(), kv_memory=4 << 20

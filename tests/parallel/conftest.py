@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_models import TOKENIZER_VOCAB, save_random_model
+
 # Weights N(0, 0.05) from seed 0: logits with a standard deviation of 0.4 (0.8 for the wider qwen2).
 # Along the compared greedy paths (one rank) the smallest top-1 over top-2 logit margin per family
 # and formats measures 1e-4 (llama, default formats) to 7e-3. Two ranks change only the float32
@@ -21,7 +23,7 @@ INIT_STD = 0.05
 SEED = 0
 
 _BASE = dict(
-    vocab_size=49152,  # the built-in tokenizer's
+    vocab_size=TOKENIZER_VOCAB,
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=2,
@@ -110,16 +112,10 @@ def tiny_model_dir(tmp_path_factory, builtin_tokenizer):
 
     def get(family: str) -> Path:
         if family not in made:
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(SEED)
-            model = AutoModelForCausalLM.from_config(_hf_config(family)).float().eval()
-            with torch.no_grad():
-                _make_params_matter(model)
             path = tmp_path_factory.mktemp(f"tp_{family}")
-            model.save_pretrained(path, safe_serialization=True)
-            builtin_tokenizer._tok.save_pretrained(path)
-            made[family] = path
+            _, made[family] = save_random_model(
+                _hf_config(family), path, builtin_tokenizer, seed=SEED, prepare=_make_params_matter
+            )
         return made[family]
 
     return get
