@@ -133,7 +133,8 @@ def test_keda_mode_renders_a_scaled_object() -> None:
     )
     kv, ttft = so["triggers"]
     assert kv["metricType"] == "Value" and kv["metadata"]["threshold"] == "0.8"
-    assert 'service="m-decode"' in kv["metadata"]["query"] and 'namespace="ns"' in kv["metadata"]["query"]
+    assert 'namespace="ns",pagoda_dev_model_deployment="m",pool="decode"' in kv["metadata"]["query"]
+    assert kv["metadata"]["ignoreNullValues"] == "false"
     assert ttft["metadata"]["query"].startswith("histogram_quantile(0.9,")
 
 
