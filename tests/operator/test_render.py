@@ -65,7 +65,7 @@ def test_render_runs_as_a_command_without_torch_or_the_engine(tmp_path: pathlib.
         ({"prefill": {"weightFormat": "int4"}}, "UnsupportedFormat: prefill.weightFormat int4"),
         (
             {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}},
-            "IncompatibleHandoff",
+            "is invalid: spec: prefill KV pages in a 1-byte format",  # the CRD's CEL rule, as admission
         ),
         ({"decode": {"autoscaling": {"maxReplicas": 2, "targets": {}}}}, "needs at least 1 field"),
     ],
