@@ -412,6 +412,15 @@ def _rollout_status(spec: Spec, out: Outcome, status: Obj, now: dt.datetime) -> 
     return rollout_status
 
 
+def _worst_rate(rates: dict[str, float | None]) -> Obj:
+    """``status.mismatchRate``: the worst pool's; left out while a pool's is unknown and no known
+    one is above 0 (a 0 would claim what no check showed)."""
+    known = [r for r in rates.values() if r is not None]
+    if known and (max(known) > 0 or len(known) == len(rates)):
+        return {"mismatchRate": max(known)}
+    return {}
+
+
 def _integrity(spec: Spec, rates: dict[str, float | None]) -> Condition:
     if spec.integrity.mode == "off":
         return Condition(KV_INTEGRITY_DEGRADED, False, "IntegrityOff", "integrity checks are off")
@@ -593,7 +602,7 @@ async def reconcile(
             "readyReplicas": _replicas(deps["router"], "readyReplicas"),
             "ready": f"{_replicas(deps['router'], 'readyReplicas')}/{spec.router.replicas}",
         },
-        **({"mismatchRate": max(known)} if (known := [r for r in rates.values() if r is not None]) else {}),
+        **_worst_rate(rates),
         # The per-agent counter baselines stay in the operator's memory (2,048 of them would not
         # fit the object); the status shows when the window began and over how many agents.
         "integrityWindow": {"startTime": snapshot["startTime"], "agents": len(snapshot["counters"])},

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import kmock
 import pytest
@@ -30,7 +31,12 @@ SO_RESOURCE = "keda.sh/v1alpha1/scaledobjects"
 SOS = f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects"
 MULTI = {"gpus": 0, "tensorParallel": 2, "nodesPerReplica": 2}
 AUTO = {"minReplicas": 1, "maxReplicas": 4, "targets": {"waitingRequests": 4, "kvCacheUsage": 0.8}}
+WAIT = 120  # seconds a step may take on a loaded machine (the passes run on the operator's timer)
 MATCHER = re.compile(r'([a-z_]+)="([^"]*)"')
+
+
+def wait(cluster: Cluster, check: Callable[[], Any], what: str) -> Any:
+    return cluster.wait_for(check, timeout=WAIT, what=what)
 
 
 # --- the controllers ------------------------------------------------------------------------
@@ -155,7 +161,7 @@ def keda_cluster(
 
 
 def assert_autoscaling_reads_the_serving_pods(cluster: Cluster) -> None:
-    so = cluster.wait_for(lambda: cluster.get(f"{SOS}/smollm-decode"), what="ScaledObject")
+    so = wait(cluster, lambda: cluster.get(f"{SOS}/smollm-decode"), what="ScaledObject")
     target = so["spec"]["scaleTargetRef"]["name"]
     assert cluster.get(f"{DEPS}/{target}") is not None, target  # the workload it scales exists
     series = scraped(cluster)
@@ -168,22 +174,29 @@ def assert_autoscaling_reads_the_serving_pods(cluster: Cluster) -> None:
 def format_change(cluster: Cluster, prefill_kv: str, new: str, old: str) -> None:
     update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": prefill_kv}})
     for pool in ("prefill", "decode"):
-        cluster.wait_for(lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}{new}"), what=f"new {pool}")
-    cluster.wait_for(
-        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "StartNewPair", what="StartNewPair"
+        wait(cluster, lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}{new}"), what=f"new {pool}")
+    wait(
+        cluster,
+        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "StartNewPair",
+        what="StartNewPair",
     )
     assert_autoscaling_reads_the_serving_pods(cluster)  # the old pair still serves and is scaled
     for pool in ("prefill", "decode"):
         run_deployment(cluster, f"smollm-{pool}{new}")
     for pool in ("prefill", "decode"):
-        cluster.wait_for(
-            lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}{old}") is None, what="old pair removed"
+        wait(
+            cluster,
+            lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}{old}") is None,
+            what="old pair removed",
         )
     collect_garbage(cluster)
-    cluster.wait_for(
-        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "RolloutComplete", what="complete"
+    wait(
+        cluster,
+        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "RolloutComplete",
+        what="complete",
     )
-    cluster.wait_for(
+    wait(
+        cluster,
         lambda: (
             cluster.get(f"{SOS}/smollm-decode")["spec"]["scaleTargetRef"]["name"] == f"smollm-decode{new}"
         ),
@@ -196,7 +209,7 @@ def format_change(cluster: Cluster, prefill_kv: str, new: str, old: str) -> None
 def test_autoscaling_targets_existing_services_after_two_format_changes(keda_cluster: Cluster) -> None:
     cluster = keda_cluster
     create_md(cluster, example(prefill={"gpus": 0}, decode={"gpus": 0, "autoscaling": AUTO}))
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="children")
+    wait(cluster, lambda: cluster.get(f"{DEPS}/smollm-router"), what="children")
     for role in ("prefill", "decode", "router"):
         run_deployment(cluster, f"smollm-{role}")
     assert_autoscaling_reads_the_serving_pods(cluster)
@@ -216,32 +229,34 @@ def test_autoscaling_targets_existing_services_after_two_format_changes(keda_clu
 )
 def test_a_multi_node_format_change_completes(cluster: Cluster, observed: bool) -> None:
     create_md(cluster, example(prefill={"gpus": 0}, decode=MULTI))
-    cluster.wait_for(lambda: cluster.get(f"{LWSS}/smollm-decode"), what="LeaderWorkerSet")
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="router")
+    wait(cluster, lambda: cluster.get(f"{LWSS}/smollm-decode"), what="LeaderWorkerSet")
+    wait(cluster, lambda: cluster.get(f"{DEPS}/smollm-router"), what="router")
     run_lws(cluster, "smollm-decode", observed)
     run_deployment(cluster, "smollm-prefill")
     run_deployment(cluster, "smollm-router")
-    md = cluster.wait_for(
+    md = wait(
+        cluster,
         lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "RolloutComplete" and m,
         what="the first rollout complete",
     )
     assert condition(md, "Ready")["status"] == "True"
 
     update_spec(cluster, {"prefill": {"kvCacheFormat": "int8"}})
-    cluster.wait_for(lambda: cluster.get(f"{LWSS}/smollm-decode-green"), what="green LeaderWorkerSet")
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
+    wait(cluster, lambda: cluster.get(f"{LWSS}/smollm-decode-green"), what="green LeaderWorkerSet")
+    wait(cluster, lambda: cluster.get(f"{DEPS}/smollm-prefill-green"), what="green prefill")
     run_lws(cluster, "smollm-decode-green", observed, ready=False)  # groups still starting
     run_deployment(cluster, "smollm-prefill-green")
-    cluster.wait_for(
-        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "StartNewPair", what="StartNewPair"
+    wait(
+        cluster,
+        lambda: condition(cluster.get(MD), "Progressing")["reason"] == "StartNewPair",
+        what="StartNewPair",
     )
     assert cluster.get(f"{LWSS}/smollm-decode") is not None  # the serving pair stays while green starts
 
     run_lws(cluster, "smollm-decode-green", observed)
-    cluster.wait_for(
-        lambda: cluster.get(f"{LWSS}/smollm-decode") is None, what="old LeaderWorkerSet removed", timeout=30
-    )
-    md = cluster.wait_for(
+    wait(cluster, lambda: cluster.get(f"{LWSS}/smollm-decode") is None, what="old LeaderWorkerSet removed")
+    md = wait(
+        cluster,
         lambda: (m := cluster.get(MD)) and condition(m, "Progressing")["reason"] == "RolloutComplete" and m,
         what="the format change complete",
     )
@@ -288,7 +303,8 @@ def test_a_foreign_object_is_left_untouched_with_a_degraded_condition_naming_it(
     cluster.create(PDB_PATH.format(ns=NS), HAND_MADE_PDB)
     before = {p: cluster.get(p) for p in (svc_path, pdb_path)}
     create_md(cluster, example(prefill={"gpus": 0}, decode={"gpus": 0}))
-    md = cluster.wait_for(
+    md = wait(
+        cluster,
         lambda: (
             (m := cluster.get(MD)) and (c := condition(m, "Degraded")) and c["reason"] == "AlreadyOwned" and m
         ),
@@ -298,7 +314,7 @@ def test_a_foreign_object_is_left_untouched_with_a_degraded_condition_naming_it(
     assert "Service/smollm-router is controlled by Deployment/web" in message
     assert "PodDisruptionBudget/smollm-decode lacks the labels" in message
     assert (condition(md, "Ready")["status"], condition(md, "Ready")["reason"]) == ("False", "AlreadyOwned")
-    cluster.wait_for(lambda: cluster.get(f"{DEPS}/smollm-router"), what="the other children applied")
+    wait(cluster, lambda: cluster.get(f"{DEPS}/smollm-router"), what="the other children applied")
     for path, obj in before.items():  # not patched, not adopted: what its owner made
         assert cluster.get(path) == obj
     events = cluster.get(EVENT_PATH.format(ns=NS))["items"]
@@ -307,8 +323,10 @@ def test_a_foreign_object_is_left_untouched_with_a_degraded_condition_naming_it(
 
     cluster.delete(svc_path)  # its owner lets the name go: the operator's Service comes
     cluster.delete(pdb_path)
-    svc = cluster.wait_for(lambda: cluster.get(svc_path), what="the router Service")
+    svc = wait(cluster, lambda: cluster.get(svc_path), what="the router Service")
     assert svc["spec"]["type"] == "ClusterIP" and svc["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    cluster.wait_for(
-        lambda: condition(cluster.get(MD), "Degraded")["reason"] != "AlreadyOwned", what="condition cleared"
+    wait(
+        cluster,
+        lambda: condition(cluster.get(MD), "Degraded")["reason"] != "AlreadyOwned",
+        what="condition cleared",
     )
