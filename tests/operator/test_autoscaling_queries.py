@@ -69,7 +69,9 @@ def test_the_chart_renders_adapter_rules_for_every_hpa_metric() -> None:
     assert not any(path.endswith("adapter-rules.yaml") and text.strip() for path, text in off.items())
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) is not installed")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (for `kubectl kustomize`) is not installed"
+)
 def test_the_production_overlay_lets_prometheus_scrape_what_it_autoscales() -> None:
     built = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / "examples" / "gitops" / "overlays" / "production")],
