@@ -31,7 +31,7 @@ SO_RESOURCE = "keda.sh/v1alpha1/scaledobjects"
 SOS = f"/apis/keda.sh/v1alpha1/namespaces/{NS}/scaledobjects"
 MULTI = {"gpus": 0, "tensorParallel": 2, "nodesPerReplica": 2}
 AUTO = {"minReplicas": 1, "maxReplicas": 4, "targets": {"waitingRequests": 4, "kvCacheUsage": 0.8}}
-WAIT = 120  # seconds a step may take on a loaded machine (the passes run on the operator's timer)
+WAIT = 300  # seconds a step may take on a loaded machine (the passes run on the operator's timer)
 MATCHER = re.compile(r'([a-z_]+)="([^"]*)"')
 
 
@@ -317,9 +317,12 @@ def test_a_foreign_object_is_left_untouched_with_a_degraded_condition_naming_it(
     wait(cluster, lambda: cluster.get(f"{DEPS}/smollm-router"), what="the other children applied")
     for path, obj in before.items():  # not patched, not adopted: what its owner made
         assert cluster.get(path) == obj
-    events = cluster.get(EVENT_PATH.format(ns=NS))["items"]
-    warned = [e for e in events if e["reason"] == "AlreadyOwned"]
-    assert warned and warned[0]["type"] == "Warning" and "Service/smollm-router" in warned[0]["message"]
+    warned = wait(  # kopf posts Events in the background
+        cluster,
+        lambda: [e for e in cluster.get(EVENT_PATH.format(ns=NS))["items"] if e["reason"] == "AlreadyOwned"],
+        what="the AlreadyOwned Event",
+    )
+    assert warned[0]["type"] == "Warning" and "Service/smollm-router" in warned[0]["message"]
 
     cluster.delete(svc_path)  # its owner lets the name go: the operator's Service comes
     cluster.delete(pdb_path)
