@@ -15,6 +15,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from . import ownership
 from .kube import ApiError, Kube
 
 Obj = dict[str, Any]
@@ -128,9 +129,13 @@ def in_sync(desired: Obj, live: Obj) -> bool:
     return contains(live, _stamped(desired))
 
 
-async def ensure(kube: Kube, desired: Obj, live: Obj | None) -> str:
-    """Bring one child to the desired state; returns "created", "patched" or "unchanged"."""
+async def ensure(kube: Kube, desired: Obj, live: Obj | None, owner: Obj | None = None) -> str:
+    """Bring one child to the desired state; returns "created", "patched" or "unchanged".
+
+    With ``owner`` (the ModelDeployment's metadata) an existing object that is not its child is
+    never patched: ``ownership.AlreadyOwned`` is raised instead."""
     meta = desired["metadata"]
+    key = f"{desired['kind']}/{meta['name']}"
     if live is None:
         try:
             await kube.create(_stamped(desired))
@@ -141,6 +146,8 @@ async def ensure(kube: Kube, desired: Obj, live: Obj | None) -> str:
             live = await kube.get(desired["kind"], meta["namespace"], meta["name"])
             if live is None:
                 raise
+    if owner is not None:
+        ownership.check(key, live, owner)
     if in_sync(desired, live):
         return "unchanged"
     patch = removals(_last_applied(live), _stamped(desired))

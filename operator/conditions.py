@@ -20,7 +20,7 @@ TYPES = (READY, PROGRESSING, DEGRADED, KV_INTEGRITY_DEGRADED)
 @dataclass(frozen=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str
 
@@ -32,7 +32,7 @@ def merge(
     before = {c.get("type"): c for c in previous or [] if isinstance(c, dict)}
     out: list[Obj] = []
     for cond in new:
-        status = "True" if cond.status else "False"
+        status = "Unknown" if cond.status is None else "True" if cond.status else "False"
         old = before.get(cond.type)
         since = old.get("lastTransitionTime") if old and old.get("status") == status else None
         item: Obj = {

@@ -28,6 +28,8 @@ class Memo:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     # Mismatch-rate window snapshot (per-agent counter baselines) per ModelDeployment.
     windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # The installed LeaderWorkerSet's version check, done once per run (lws_support).
+    lws_checked: dict[str, Any] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -50,7 +52,14 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
         fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
         if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
             return
-        await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger), windows=memo.windows)
+        await reconcile(
+            memo.kube,
+            fresh,
+            memo.cfg,
+            emit=_emitter(fresh, logger),
+            windows=memo.windows,
+            lws_checked=memo.lws_checked,
+        )
 
 
 def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegistry:

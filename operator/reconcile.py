@@ -14,7 +14,7 @@ from typing import Any
 
 from pagoda.agent_report import format_time, parse_time
 
-from . import children, credentials, formats, rollout
+from . import children, credentials, formats, lws_support, mismatch_decay, ownership, rollout
 from .apply import ensure, removals
 from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
 from .config import Config
@@ -60,6 +60,8 @@ class Outcome:
     credential_problems: list[formats.Problem] = field(default_factory=list)
     # Children the API server refused to create, patch or delete: "Kind/name: its message".
     apply_errors: list[str] = field(default_factory=list)
+    # Objects with a child's name that are not this ModelDeployment's: left untouched.
+    refused: list[ownership.AlreadyOwned] = field(default_factory=list)
     plan: rollout.Plan | None = None
 
 
@@ -101,10 +103,26 @@ async def _remove_unwanted(kube: Kube, meta: Obj, desired: dict[str, Obj], cfg: 
             out.apply_errors.append(f"{key}: {err.message}")
 
 
-async def _ensure(kube: Kube, key: str, obj: Obj, current: Obj | None, out: Outcome) -> None:
-    result = await ensure(kube, obj, current)
+async def _ensure(kube: Kube, key: str, obj: Obj, current: Obj | None, out: Outcome, owner: Obj) -> None:
+    try:
+        result = await ensure(kube, obj, current, owner)
+    except ownership.AlreadyOwned as refused:
+        out.refused.append(refused)
+        return
     if result != "unchanged":
         out.actions[key] = result
+
+
+def _own_only(found: dict[str, Obj], name: str, meta: Obj, out: Outcome) -> dict[str, Obj]:
+    """The workloads named ``name`` that are this ModelDeployment's; the others are refused."""
+    mine: dict[str, Obj] = {}
+    for kind, live in found.items():
+        why = ownership.foreign(live, meta)
+        if why is None:
+            mine[kind] = live
+        else:
+            out.refused.append(ownership.AlreadyOwned(f"{kind}/{name}", why))
+    return mine
 
 
 def _live_replicas(dep: Obj | None) -> int:
@@ -151,9 +169,13 @@ async def _converge(
     slots = (children.BLUE, children.GREEN)
     names = {(p, s): children.pool_deployment_name(name, p, s) for p in POOLS for s in slots}
     kinds = {p: children.workload_kind(spec, p) for p in POOLS}
-    found = {key: await _found(kube, ns, n, lws) for key, n in names.items()}
+    found = {key: _own_only(await _found(kube, ns, n, lws), n, meta, out) for key, n in names.items()}
+    blocked = {r.key for r in out.refused}  # workloads of a child's name that are not ours
     deps = {key: _pick(found[key], kinds[key[0]]) for key in names}
-    services = {p: await kube.get("Service", ns, children.child_name(name, p)) for p in POOLS}
+    services: dict[str, Obj | None] = {}
+    for p in POOLS:
+        svc = await kube.get("Service", ns, children.child_name(name, p))
+        services[p] = svc if svc is None or ownership.foreign(svc, meta) is None else None
     shifted_at = parse_time((status.get("rollout") or {}).get("shiftedAt"))
     kv = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
     generation = children.formats_generation(spec)
@@ -177,8 +199,8 @@ async def _converge(
         role = obj["metadata"]["labels"][children.POOL_LABEL]
         try:
             if obj["kind"] in WORKLOAD_KINDS and role in POOLS:
-                if plan.slots.get(role) is None:
-                    continue  # PinServingPair: the serving pods are relabelled first
+                if plan.slots.get(role) is None or key in blocked:
+                    continue  # PinServingPair: the serving pods are relabelled first; or not ours
                 current = found[(role, placed[role])].get(obj["kind"])
                 auto = spec.pool(role).autoscaling
                 if current is None and auto is not None:
@@ -187,8 +209,10 @@ async def _converge(
                     obj = {**obj, "spec": {"replicas": max(auto.min_replicas, before), **obj["spec"]}}
             else:
                 current = await kube.get(obj["kind"], ns, obj["metadata"]["name"])
-            await _ensure(kube, key, obj, current, out)
-            applied.add(key)
+            before = len(out.refused)
+            await _ensure(kube, key, obj, current, out, meta)
+            if len(out.refused) == before:
+                applied.add(key)
         except ApiError as err:
             out.apply_errors.append(f"{key}: {err.message}")
             log.warning("cannot apply %s: %s", key, err.message, extra={"modeldeployment": f"{ns}/{name}"})
@@ -219,8 +243,14 @@ async def _converge(
     serving = {}
     for p in POOLS:
         now_found = await _found(kube, ns, names[(p, plan.scale_slots.get(p, children.BLUE))], lws)
-        serving[p] = _pick(now_found, kinds[p])
-    return {**serving, "router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
+        serving[p] = _pick(
+            {k: d for k, d in now_found.items() if ownership.foreign(d, meta) is None}, kinds[p]
+        )
+    router = await kube.get("Deployment", ns, children.child_name(name, "router"))
+    return {
+        **serving,
+        "router": router if router is None or ownership.foreign(router, meta) is None else None,
+    }
 
 
 def _serving_kinds(
@@ -256,10 +286,11 @@ def _conditions(
     out: Outcome,
     deps: dict[str, Obj | None],
     pools: dict[str, Obj],
-    rates: dict[str, float],
+    rates: dict[str, float | None],
     stale: list[str],
     cfg: Config,
     groups: dict[str, list[tuple[str, int]]] | None = None,
+    md_name: str = "",
 ) -> list[Condition]:
     if out.problems:
         why = "; ".join(p.message for p in out.problems)
@@ -267,9 +298,13 @@ def _conditions(
         return [
             Condition(READY, False, reason, f"spec cannot be served: {why}"),
             Condition(PROGRESSING, False, "InvalidSpec", "nothing is rolled out until the spec is fixed")
-            if reason != LWS_MISSING
+            if reason not in (LWS_MISSING, lws_support.TOO_OLD)
             else Condition(
-                PROGRESSING, False, "Blocked", "nothing is rolled out until LeaderWorkerSet is installed"
+                PROGRESSING,
+                False,
+                "Blocked",
+                "nothing is rolled out until LeaderWorkerSet is "
+                + ("installed" if reason == LWS_MISSING else f"{lws_support.MIN_VERSION} or newer"),
             ),
             Condition(DEGRADED, True, reason, why),
             _integrity(spec, rates),
@@ -296,7 +331,10 @@ def _conditions(
     else:
         progressing = Condition(PROGRESSING, False, "RolloutComplete", "all pools run the current spec")
     creds = out.credential_problems
-    if out.apply_errors:
+    refused = ownership.message(out.refused, md_name) if out.refused else ""
+    if refused:
+        ready = Condition(READY, False, ownership.ALREADY_OWNED, refused)
+    elif out.apply_errors:
         why = "; ".join(out.apply_errors)
         ready = Condition(READY, False, "ApplyFailed", f"the API server refused a child: {why}")
     elif creds:
@@ -309,7 +347,9 @@ def _conditions(
     else:
         ready = Condition(READY, True, "AllPoolsReady", "prefill, decode and router replicas are ready")
     stalled = out.plan.stalled if out.plan is not None else None
-    if out.apply_errors:
+    if refused:
+        degraded = Condition(DEGRADED, True, ownership.ALREADY_OWNED, refused)
+    elif out.apply_errors:
         degraded = Condition(DEGRADED, True, "ApplyFailed", "; ".join(out.apply_errors))
     elif stalled:
         degraded = Condition(
@@ -337,6 +377,16 @@ def _conditions(
     return [ready, progressing, degraded, _integrity(spec, rates)]
 
 
+def _warn_refused(status: Obj, conds: list[Condition], emit: Emit) -> None:
+    """An ``AlreadyOwned`` Warning Event when objects are newly refused (not on every pass)."""
+    degraded = next(c for c in conds if c.type == DEGRADED)
+    if degraded.reason != ownership.ALREADY_OWNED:
+        return
+    before = next((c for c in status.get("conditions") or [] if c.get("type") == DEGRADED), {})
+    if (before.get("reason"), before.get("message")) != (degraded.reason, degraded.message):
+        emit("Warning", ownership.ALREADY_OWNED, degraded.message)
+
+
 def _group_note(spec: Spec, role: str, groups: list[tuple[str, int]] | None) -> str:
     """For a multi-node pool short of ready replicas: the groups whose pods are not all ready."""
     if role not in POOLS or not spec.pool(role).multi_node:
@@ -362,11 +412,30 @@ def _rollout_status(spec: Spec, out: Outcome, status: Obj, now: dt.datetime) -> 
     return rollout_status
 
 
-def _integrity(spec: Spec, rates: dict[str, float]) -> Condition:
+def _worst_rate(rates: dict[str, float | None]) -> Obj:
+    """``status.mismatchRate``: the worst pool's; left out while a pool's is unknown and no known
+    one is above 0 (a 0 would claim what no check showed)."""
+    known = [r for r in rates.values() if r is not None]
+    if known and (max(known) > 0 or len(known) == len(rates)):
+        return {"mismatchRate": max(known)}
+    return {}
+
+
+def _integrity(spec: Spec, rates: dict[str, float | None]) -> Condition:
     if spec.integrity.mode == "off":
         return Condition(KV_INTEGRITY_DEGRADED, False, "IntegrityOff", "integrity checks are off")
     threshold = spec.integrity.mismatch_rate_threshold
-    above = [f"{pool} {rate:.6g}" for pool, rate in rates.items() if rate > threshold]
+    above = [f"{pool} {rate:.6g}" for pool, rate in rates.items() if rate is not None and rate > threshold]
+    unknown = [pool for pool, rate in rates.items() if rate is None]
+    if unknown and not above:
+        return Condition(
+            KV_INTEGRITY_DEGRADED,
+            None,
+            "NoRecentChecks",
+            f"no KV integrity checks in {' and '.join(unknown)} over the last "
+            f"{spec.integrity.window_seconds}s window (no traffic, or no agent reporting): the mismatch "
+            "rate is unknown until checks resume",
+        )
     if above:
         return Condition(
             KV_INTEGRITY_DEGRADED,
@@ -394,7 +463,12 @@ def _groups(spec: Spec, deps: dict[str, Obj | None], pods: list[Obj]) -> dict[st
 
 
 def _pool_status(
-    role: str, spec: Spec, dep: Obj | None, figures: Obj, rate: float, groups: list[tuple[str, int]] | None
+    role: str,
+    spec: Spec,
+    dep: Obj | None,
+    figures: Obj,
+    rate: float | None,
+    groups: list[tuple[str, int]] | None,
 ) -> Obj:
     """``status.<pool>``. Replicas are whole replicas: for a multi-node pool, LeaderWorkerSet groups
     (ready when every pod of the group is), with the group size and how many groups have pods
@@ -409,8 +483,9 @@ def _pool_status(
         "ready": f"{ready}/{want}",
         "formats": f"{pool.weight_format}/{pool.kv_cache_format}",
         **figures,
-        "mismatchRate": rate,
     }
+    if rate is not None:  # None: no checks for a whole window, the rate is unknown
+        out["mismatchRate"] = rate
     if pool.multi_node:
         out["nodesPerReplica"] = pool.nodes_per_replica
         out["incompleteGroups"] = len(groups or [])
@@ -429,11 +504,13 @@ async def reconcile(
     now: dt.datetime | None = None,
     emit: Emit | None = None,
     windows: dict[tuple[str, str], Obj] | None = None,
+    lws_checked: dict[str, Any] | None = None,
 ) -> Outcome:
     """Converge the children of one ModelDeployment and write its status.
 
     ``windows`` holds the mismatch-rate window snapshot per ModelDeployment across passes (the
-    operator's memory); without it each pass starts a new window."""
+    operator's memory); without it each pass starts a new window. ``lws_checked`` keeps the
+    installed LeaderWorkerSet's version check (``lws_support``) for the operator's run."""
     now = now or dt.datetime.now(dt.UTC)
     emit = emit or (lambda *_: None)
     meta = body["metadata"]
@@ -453,6 +530,10 @@ async def reconcile(
                 "nodesPerReplica: 1",
             )
         )
+    if multi and lws and not out.problems:
+        too_old = await lws_support.check(kube, lws_checked)
+        if too_old is not None:
+            out.problems.append(formats.Problem(lws_support.TOO_OLD, too_old))
 
     if out.problems:  # nothing is applied; the status shows the workloads as they are
         deps = {"router": await kube.get("Deployment", ns, children.child_name(name, "router"))}
@@ -475,13 +556,21 @@ async def reconcile(
         pods = []
     agents = split(reports_of(pods, now, cfg.stale_after_s), now, cfg.stale_after_s)
 
-    previous_rates = {p: float((status.get(p) or {}).get("mismatchRate", 0.0) or 0.0) for p in POOLS}
+    # A pool status without a rate: unknown (no checks for a window) when the last pass wrote it.
+    previous: dict[str, float | None] = {
+        p: None
+        if isinstance(status.get(p), dict) and "mismatchRate" not in status[p]
+        else float((status.get(p) or {}).get("mismatchRate", 0.0) or 0.0)
+        for p in POOLS
+    }
+    previous_rates = {p: r or 0.0 for p, r in previous.items()}
     key = (ns, name)
     snapshot_in = windows.get(key) if windows is not None else None
     if snapshot_in is None:  # operator (re)start: an older operator kept the snapshot in the status
         legacy = status.get("integrityWindow") or {}
         snapshot_in = legacy if isinstance(legacy.get("counters"), dict) else None
-    rates, snapshot = window(
+    checked, seen = mismatch_decay.checked_pools(snapshot_in, agents.fresh)
+    window_rates, snapshot = window(
         snapshot_in,
         agents.fresh,
         now,
@@ -489,11 +578,16 @@ async def reconcile(
         previous_rates,
         known=set(agents.fresh) | set(agents.stale),
     )
+    rates, last_checks = mismatch_decay.decay(
+        window_rates, checked, snapshot_in, previous, now, spec.integrity.window_seconds
+    )
+    snapshot.update({mismatch_decay.LAST_CHECKS: last_checks, mismatch_decay.SEEN: seen})
     if windows is not None:
         windows[key] = snapshot
     pools = {p: pool_figures(p, agents.fresh, agents.stale) for p in POOLS}
     groups = _groups(spec, deps, pods)
-    conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg, groups)
+    conds = _conditions(spec, out, deps, pools, rates, sorted(agents.stale), cfg, groups, name)
+    _warn_refused(status, conds, emit)
     rendered = merge(status.get("conditions"), conds, now, meta.get("generation"))
 
     owned: Obj = {
@@ -508,7 +602,7 @@ async def reconcile(
             "readyReplicas": _replicas(deps["router"], "readyReplicas"),
             "ready": f"{_replicas(deps['router'], 'readyReplicas')}/{spec.router.replicas}",
         },
-        "mismatchRate": max(rates.values()),
+        **_worst_rate(rates),
         # The per-agent counter baselines stay in the operator's memory (2,048 of them would not
         # fit the object); the status shows when the window began and over how many agents.
         "integrityWindow": {"startTime": snapshot["startTime"], "agents": len(snapshot["counters"])},

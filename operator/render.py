@@ -2,7 +2,8 @@
 a ModelDeployment, as YAML on stdout, without a cluster.
 
 The same functions as a reconciliation pass build them (``formats.check`` and ``children.build``),
-after the CRD's defaults and schema (``schema.admit_spec``). Exit status 2 with the reason on
+after the CRD's defaults, schema and CEL rules (``schema.admit_document``): whatever render accepts,
+the API server admits. Exit status 2 with the reason on
 stderr for a spec the API server or the operator would refuse.
 """
 
@@ -40,7 +41,7 @@ def render_objects(doc: Any, namespace: str | None, cfg: Config, crd: Obj | None
     if not isinstance(name, str) or not name:
         raise RenderError("metadata.name is required")
     ns = namespace or meta.get("namespace") or "default"
-    stored, problems = schema.admit_spec(doc.get("spec"), crd)
+    stored, problems = schema.admit_document(doc, crd)
     if problems:
         raise RenderError(f"ModelDeployment {ns}/{name} is invalid: " + "; ".join(problems))
     spec = parse(stored)

@@ -28,7 +28,7 @@ from typing import Any
 
 from pagoda.vocabulary import handoff_allowed
 
-from .children import BLUE, FORMATS_LABEL, GREEN, generation_of, pod_templates
+from .children import BLUE, FORMATS_LABEL, GREEN, LWS_KIND, generation_of, pod_templates
 
 Obj = dict[str, Any]
 POOLS = ("prefill", "decode")
@@ -61,14 +61,27 @@ def gen_of(dep: Obj) -> str:
     return template_generation(dep) or generation_of(formats_of(dep))
 
 
+def _condition(status: Obj, kind: str) -> str | None:
+    return next((str(c.get("status")) for c in status.get("conditions") or [] if c.get("type") == kind), None)
+
+
 def only_current_pods(dep: Obj | None) -> bool:
-    """Whether every pod of a Deployment runs its current template (no old pods left)."""
+    """Whether every pod of a workload runs its current template (no old pods left), read from the
+    workload kind's own signals: ``status.observedGeneration`` when the controller sets it (the
+    Deployment controller, LeaderWorkerSet from the releases that have it); a LeaderWorkerSet
+    without it (older releases) by its conditions: no ``UpdateInProgress``, and ``Available``
+    unless ``Progressing``. Then every replica must be an updated one."""
     if dep is None:
         return False
     status = dep.get("status") or {}
     generation = dep.get("metadata", {}).get("generation")
     observed = status.get("observedGeneration")
-    if generation is not None and (observed is None or observed < generation):
+    if dep.get("kind") == LWS_KIND and observed is None:
+        if _condition(status, "UpdateInProgress") == "True":
+            return False
+        if _condition(status, "Progressing") == "True" and _condition(status, "Available") != "True":
+            return False
+    elif generation is not None and (observed is None or observed < generation):
         return False
     return int(status.get("replicas", 0) or 0) == int(status.get("updatedReplicas", 0) or 0)
 

@@ -3,6 +3,11 @@ autoscaled pool, and a PodDisruptionBudget per pool and for the router.
 
 The autoscaler targets the pool's Deployment itself (its scale subresource): a ModelDeployment has
 two independently scaled pools, which one CRD scale subresource cannot express.
+
+Every metric query selects the pool by labels that do not change with a blue/green format change:
+the namespace, the ModelDeployment (the ServiceMonitor's target label ``pagoda_dev_model_deployment``)
+and the pool (the ``pool`` label every agent series carries). The scrape reaches only the pods the
+pool's Service selects, i.e. the serving generation; a slot's workload name never enters a query.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from .spec import Autoscaling, DisruptionBudget
 
 Obj = dict[str, Any]
 
-# HPA Pods metrics (served by prometheus-adapter rules documented in docs/operator.md) per target.
+# HPA Pods metrics (served by prometheus-adapter rules: the chart's metrics.adapterRules) per target.
 HPA_METRICS = {
     "waiting_requests": "pagoda_waiting_sequences",
     "kv_cache_usage": "pagoda_kv_cache_usage_ratio",
     "ttft_seconds": "pagoda_time_to_first_token_seconds_p90",
     "itl_seconds": "pagoda_inter_token_latency_seconds_p90",
 }
+# The Prometheus label the chart's ServiceMonitor copies from the pool Services' pagoda.dev/model-deployment.
+MD_TARGET_LABEL = "pagoda_dev_model_deployment"
 SCALE_DOWN_WINDOW_S = 300  # no scale-down before 5 minutes of lower load: pods load a model
 
 
@@ -63,9 +70,14 @@ def hpa(
     }
 
 
-def _queries(namespace: str, service: str) -> dict[str, tuple[str, str]]:
+def pool_selector(namespace: str, md_name: str, pool: str) -> str:
+    """The PromQL label matchers of one pool's series: stable across format changes."""
+    return f'namespace="{namespace}",{MD_TARGET_LABEL}="{md_name}",pool="{pool}"'
+
+
+def _queries(namespace: str, md_name: str, pool: str) -> dict[str, tuple[str, str]]:
     """PromQL per target and KEDA's metricType: sums are divided per pod, ratios and quantiles not."""
-    sel = f'namespace="{namespace}",service="{service}"'
+    sel = pool_selector(namespace, md_name, pool)
 
     def p90(metric: str) -> str:
         return f"histogram_quantile(0.9, sum by (le) (rate({metric}_bucket{{{sel}}}[2m])))"
@@ -89,8 +101,13 @@ def scaled_object(
     kind: str = "Deployment",
     api_version: str = "apps/v1",
 ) -> Obj:
-    """KEDA ScaledObject of one pool: Prometheus triggers over the pool Service's scrape."""
-    queries = _queries(metadata["namespace"], deployment)
+    """KEDA ScaledObject of one pool: Prometheus triggers over the pool's scrape (selected by the
+    ModelDeployment and pool labels). ``ignoreNullValues: "false"``: an empty result (no series,
+    e.g. a scrape that stopped) is an error, so KEDA keeps the current scale instead of reading 0."""
+    labels = metadata.get("labels") or {}
+    md_name = labels.get("pagoda.dev/model-deployment", "")
+    pool = labels.get("pagoda.dev/pool", "")
+    queries = _queries(metadata["namespace"], md_name, pool)
     triggers = [
         {
             "type": "prometheus",
@@ -100,6 +117,7 @@ def scaled_object(
                 "serverAddress": cfg.prometheus_address,
                 "query": queries[name][0],
                 "threshold": str(value),
+                "ignoreNullValues": "false",
             },
         }
         for name, value in auto.targets.items()

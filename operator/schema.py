@@ -1,9 +1,11 @@
 """The CRD's OpenAPI schema applied without an API server: defaults filled in and the spec checked
 the way the API server would (types, enums, bounds, patterns, required and unknown fields).
 
-``pagoda-operator render`` uses it so that a spec it prints objects for is one the cluster would
-store; the CEL rules are the operator's own checks (``formats.check``). The CRD file is the one
-source: ``crds/modeldeployment.yaml`` next to the package, or the image's copy.
+``pagoda-operator render`` uses it so that a document it prints objects for is one the cluster
+would store: ``admit_document`` adds the CRD's own CEL rules (``cel_rules``), root-level ones on
+``metadata.name`` included. The CRD file is the one source: ``crds/modeldeployment.yaml`` next to the
+package, or the image's copy. Patterns are matched as the API server's RE2 does: ``$`` ends the text
+(Python's would also match before a final newline).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 from typing import Any
 
 import yaml
+
+from . import cel_rules
 
 Obj = dict[str, Any]
 
@@ -33,10 +37,15 @@ def load_crd(configured: str = "") -> Obj:
     return yaml.safe_load(crd_path(configured or os.environ.get("PAGODA_CRD_FILE", "")).read_text())
 
 
-def spec_schema(crd: Obj) -> Obj:
-    """The openAPIV3Schema of ``spec`` in the served version."""
+def root_schema(crd: Obj) -> Obj:
+    """The openAPIV3Schema of the stored version."""
     version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
-    return version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def spec_schema(crd: Obj) -> Obj:
+    """The openAPIV3Schema of ``spec`` in the stored version."""
+    return root_schema(crd)["properties"]["spec"]
 
 
 def defaults(schema: Obj, value: Any) -> Any:
@@ -80,6 +89,13 @@ def _type_ok(schema: Obj, value: Any) -> bool:
     return isinstance(value, _TYPES[kind])
 
 
+def _matches(pattern: str, value: str) -> bool:
+    """RE2 semantics of a trailing ``$``: the end of the text, not before a final newline."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1] + r"\Z"
+    return re.search(pattern, value) is not None
+
+
 def errors(schema: Obj, value: Any, path: str = "spec") -> list[str]:
     """Every way ``value`` breaks ``schema``, as "path: why" messages (empty when it is valid)."""
     if not _type_ok(schema, value):
@@ -97,7 +113,7 @@ def errors(schema: Obj, value: Any, path: str = "spec") -> list[str]:
             out.append(f"{path}: longer than {schema['maxLength']} characters")
         if "minLength" in schema and len(value) < schema["minLength"]:
             out.append(f"{path}: shorter than {schema['minLength']} characters")
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not _matches(schema["pattern"], value):
             out.append(f"{path}: {value!r} does not match {schema['pattern']!r}")
     if isinstance(value, list):
         if "maxItems" in schema and len(value) > schema["maxItems"]:
@@ -132,3 +148,21 @@ def admit_spec(raw: Any, crd: Obj | None = None) -> tuple[Obj, list[str]]:
         return {}, ["spec: must be an object"]
     stored = defaults(schema, raw)
     return stored, errors(schema, stored)
+
+
+def admit_document(doc: Obj, crd: Obj | None = None) -> tuple[Obj, list[str]]:
+    """The spec with the CRD's defaults, and every reason the API server would refuse the document:
+    the spec's schema errors, else the CRD's CEL rules over the whole object (``metadata.name``
+    and the defaulted spec)."""
+    crd = crd or load_crd()
+    stored, problems = admit_spec(doc.get("spec"), crd)
+    if problems:
+        return stored, problems
+    meta = doc.get("metadata") or {}
+    obj = {
+        "apiVersion": doc.get("apiVersion"),
+        "kind": doc.get("kind"),
+        "metadata": {k: meta[k] for k in ("name", "generateName") if k in meta},
+        "spec": stored,
+    }
+    return stored, cel_rules.errors(root_schema(crd), obj)

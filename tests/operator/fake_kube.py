@@ -34,6 +34,7 @@ class FakeKube:
         self.refuse: dict[tuple[str, str], tuple[int, Obj]] = {}
         self.writes: list[tuple[str, str, str]] = []
         self.unserved: set[str] = set()  # kinds whose API is not installed (discovery says no)
+        self.documents: dict[str, Obj] = {}  # absolute-path GETs: OpenAPI documents
         self._uid = 0
 
     def _check(self, kind: str, verb: str) -> None:
@@ -49,6 +50,10 @@ class FakeKube:
         meta = obj["metadata"]
         self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
         return obj
+
+    async def read(self, url: str) -> Obj | None:
+        """Absolute-path GETs (OpenAPI documents): the ones a test put in ``documents``."""
+        return self.documents.get(url)
 
     async def served(self, kind: str) -> bool:
         return kind not in self.unserved

@@ -114,6 +114,11 @@ def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
     }
 
 
+def monitor_target_label(docs: list[dict]) -> str:
+    (label,) = next(d for d in docs if d["kind"] == "ServiceMonitor")["spec"]["targetLabels"]
+    return label
+
+
 def test_prometheus_rules_alert_on_integrity_and_stale_agents(chart: helm_python.Chart) -> None:
     rule = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "PrometheusRule")
     rules = {r.get("alert") or r["record"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
@@ -122,7 +127,11 @@ def test_prometheus_rules_alert_on_integrity_and_stale_agents(chart: helm_python
     assert rules["PagodaKVIntegrityDegraded"]["expr"].endswith("> 0.0001")
     exprs = " ".join(r["expr"] for r in rules.values())
     for metric in re.findall(r"pagoda_[a-z_]+", exprs):
-        assert metric in METRICS, metric  # only metrics the agents export
+        if metric != "pagoda_dev_model_deployment":  # the ServiceMonitor's target label, not a metric
+            assert metric in METRICS, metric  # only metrics the agents export
+    # Stale agents: only targets of the chart's ServiceMonitor (they carry its target label).
+    assert rules["PagodaStaleAgents"]["expr"] == 'up{pagoda_dev_model_deployment!=""} == 0'
+    assert monitor_target_label(render(chart, NON_DEFAULT)) == "pagoda.dev/model-deployment"
     monitor = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "ServiceMonitor")
     # The headless per-pod Services select the same pods: the monitor skips them (no double scrape).
     assert monitor["spec"]["selector"]["matchExpressions"] == [

@@ -173,7 +173,7 @@ def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
 
     schema = md_schema(crd)
     rules = str(schema).count("'rule':")
-    assert rules == 11
+    assert rules == 25
     assert cel_errors(schema, admit(example())) == []
     auto = {"autoscaling": {"maxReplicas": 2, "targets": {"ttftSeconds": 2}}}
     assert cel_errors(schema, admit(example(decode=auto, prefill=auto))) == []  # autoscaling rules ran

@@ -169,9 +169,10 @@ def test_render_prints_a_leader_worker_set_pool() -> None:
 @pytest.mark.parametrize(
     ("pool", "why"),
     [
-        ({"tensorParallel": 2, "nodesPerReplica": 4}, "InvalidParallelism: decode.nodesPerReplica 4"),
-        ({"tensorParallel": 6, "nodesPerReplica": 4}, "not a multiple of nodesPerReplica"),
-        ({"tensorParallel": 8, "nodesPerReplica": 2, "gpus": 8}, "gpus 8 does not match"),
+        # The CRD's CEL rules refuse them first, as admission would.
+        ({"tensorParallel": 2, "nodesPerReplica": 4}, "spec.decode: nodesPerReplica must not exceed"),
+        ({"tensorParallel": 6, "nodesPerReplica": 4}, "must be a multiple of nodesPerReplica"),
+        ({"tensorParallel": 8, "nodesPerReplica": 2, "gpus": 8}, "gpus is per pod"),
     ],
 )
 def test_render_refuses_layouts_the_agents_cannot_run(pool: dict, why: str) -> None:

@@ -65,7 +65,7 @@ def test_render_runs_as_a_command_without_torch_or_the_engine(tmp_path: pathlib.
         ({"prefill": {"weightFormat": "int4"}}, "UnsupportedFormat: prefill.weightFormat int4"),
         (
             {"prefill": {"kvCacheFormat": "fp8_e4m3"}, "decode": {"kvCacheFormat": "bf16"}},
-            "IncompatibleHandoff",
+            "is invalid: spec: prefill KV pages in a 1-byte format",  # the CRD's CEL rule, as admission
         ),
         ({"decode": {"autoscaling": {"maxReplicas": 2, "targets": {}}}}, "needs at least 1 field"),
     ],
@@ -133,7 +133,8 @@ def test_keda_mode_renders_a_scaled_object() -> None:
     )
     kv, ttft = so["triggers"]
     assert kv["metricType"] == "Value" and kv["metadata"]["threshold"] == "0.8"
-    assert 'service="m-decode"' in kv["metadata"]["query"] and 'namespace="ns"' in kv["metadata"]["query"]
+    assert 'namespace="ns",pagoda_dev_model_deployment="m",pool="decode"' in kv["metadata"]["query"]
+    assert kv["metadata"]["ignoreNullValues"] == "false"
     assert ttft["metadata"]["query"].startswith("histogram_quantile(0.9,")
 
 
