@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,9 @@ class Memo:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     # Mismatch-rate window snapshot (per-agent counter baselines) per ModelDeployment.
     windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # The ModelDeployments the watch has seen and not seen deleted: the resync loop's work list.
+    known: set[tuple[str, str]] = field(default_factory=set)
+    resync_task: asyncio.Task | None = None
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -53,6 +57,26 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
         await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger), windows=memo.windows)
 
 
+log = logging.getLogger("pagoda.operator")
+
+
+async def resync_loop(memo: Memo, interval_s: float) -> None:
+    """Every ``interval_s``, one pass of each known ModelDeployment (level-based repair and status).
+
+    A kopf timer would do the same, but kopf puts a finalizer on every object a timer runs on, and
+    a finalizer makes deletion wait for the operator; this loop needs none."""
+    while True:
+        await asyncio.sleep(interval_s)
+        keys = sorted(memo.known)
+        results = await asyncio.gather(
+            *(_pass(memo, {"metadata": {"namespace": ns, "name": name}}, log) for ns, name in keys),
+            return_exceptions=True,
+        )
+        for (ns, name), result in zip(keys, results, strict=True):
+            if isinstance(result, Exception) and not isinstance(result, kopf.TemporaryError):
+                log.warning("resync of %s/%s failed: %s", ns, name, result)
+
+
 def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegistry:
     """Add the operator's handlers to a registry, with the settings' timer interval."""
 
@@ -61,6 +85,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
         settings.scanning.disabled = True
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        # No handler needs a finalizer (no delete handler, no kopf timer), so kopf adds none and
+        # removes this one from objects an older operator marked: a ModelDeployment (or its
+        # namespace) deletes without the operator running; the garbage collector takes the children.
         settings.persistence.finalizer = f"{GROUP}/operator"
         settings.watching.server_timeout = 300
         settings.posting.level = logging.INFO
@@ -92,6 +119,10 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: Memo, **_: Any) -> None:
+        if memo.resync_task is not None:
+            memo.resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await memo.resync_task
         if memo.kube is not None:
             await memo.kube.close()
 
@@ -101,17 +132,20 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     async def converge(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
         await _pass(memo, dict(body), logger)
 
-    @kopf.timer(*MD, registry=registry, interval=cfg.resync_s, initial_delay=cfg.resync_s)
-    async def resync(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
-        await _pass(memo, dict(body), logger)
-
-    @kopf.on.delete(*MD, registry=registry)
-    def deleted(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
-        """Children carry ownerReferences: the garbage collector removes them; only forget the lock."""
+    @kopf.on.event(*MD, registry=registry)
+    async def track(body: kopf.Body, type: str | None, memo: Memo, **_: Any) -> None:
+        """Keep the resync loop's list of ModelDeployments (an event handler needs no finalizer).
+        The loop starts from here, so that it inherits the handler context kopf.event posts in."""
+        if memo.resync_task is None:
+            memo.resync_task = asyncio.create_task(resync_loop(memo, cfg.resync_s), name="pagoda-resync")
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        memo.locks.pop(key, None)
-        memo.windows.pop(key, None)
-        logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
+        if type == "DELETED":  # its children go with it through their ownerReferences
+            memo.known.discard(key)
+            memo.locks.pop(key, None)
+            memo.windows.pop(key, None)
+            log.info("ModelDeployment %s/%s deleted; the garbage collector removes its children", *key)
+        else:
+            memo.known.add(key)
 
     # Secrets are not watched: that would need list/watch on every Secret in the watched
     # namespaces. A deleted ``<md>-internal`` Secret comes back on the next timer pass.

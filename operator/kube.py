@@ -100,6 +100,10 @@ class Kube:
         """The object, or None when it does not exist."""
         return await self._call("GET", path(kind, namespace, name))
 
+    async def read(self, url: str) -> Obj | None:
+        """GET an absolute API path (a cluster-scoped object such as a CRD); None when absent."""
+        return await self._call("GET", url)
+
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Obj]:
         """Objects of a kind in a namespace carrying all the given labels."""
         selector = ",".join(f"{k}={v}" for k, v in labels.items())

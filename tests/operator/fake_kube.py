@@ -35,6 +35,8 @@ class FakeKube:
         self.writes: list[tuple[str, str, str]] = []
         self.unserved: set[str] = set()  # kinds whose API is not installed (discovery says no)
         self._uid = 0
+        self.paths: dict[str, Obj] = {}  # cluster-scoped objects by API path (the CRD)
+        self.reads: list[str] = []
 
     def _check(self, kind: str, verb: str) -> None:
         if (kind, verb) in self.refuse:
@@ -85,7 +87,14 @@ class FakeKube:
         self.writes.append(("delete", kind, name))
         return self.objects.pop((kind, namespace, name), None) is not None
 
+    async def read(self, url: str) -> Obj | None:
+        """A cluster-scoped object stored with ``put_path`` (the CRD), or None."""
+        self.reads.append(url)
+        obj = self.paths.get(url)
+        return copy.deepcopy(obj) if obj is not None else None
+
     async def apply(self, url: str, obj: Obj) -> Obj:
         self._check(obj["kind"], "apply")
         self.writes.append(("apply", obj["kind"], url))
+        self.paths[url.split("?", 1)[0]] = copy.deepcopy(obj)
         return obj

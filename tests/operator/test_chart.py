@@ -153,7 +153,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
             "resourceNames": ["modeldeployments.pagoda.dev"],
-            "verbs": ["patch"],  # server-side apply of the one CRD; Helm creates it at install
+            "verbs": ["get", "patch"],  # read (never downgrade), server-side apply of the one CRD
         }
     ]
     operator = roles["pagoda-operator"]["rules"]
