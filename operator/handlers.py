@@ -10,7 +10,7 @@ from typing import Any
 
 import kopf
 
-from . import children, crd
+from . import children, crd, metrics
 from .config import Config
 from .kube import Kube
 from .reconcile import reconcile
@@ -45,16 +45,17 @@ def _emitter(body: Any, logger: logging.Logger | logging.LoggerAdapter) -> Any:
     return emit
 
 
-async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
+async def _pass(memo: Memo, body: dict[str, Any], logger: Any, trigger: str = "change") -> None:
     if memo.kube is None:
         raise kopf.TemporaryError("not logged in yet", delay=1)
     meta = body["metadata"]
     async with memo.lock(meta["namespace"], meta["name"]):
         # Re-read under the lock: the body kopf hands over may predate the previous pass's writes.
-        fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
-        if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
-            return
-        await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger), windows=memo.windows)
+        async with metrics.timed(trigger):
+            fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
+            if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+                return
+            await reconcile(memo.kube, fresh, memo.cfg, emit=_emitter(fresh, logger), windows=memo.windows)
 
 
 log = logging.getLogger("pagoda.operator")
@@ -69,7 +70,7 @@ async def resync_loop(memo: Memo, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         keys = sorted(memo.known)
         results = await asyncio.gather(
-            *(_pass(memo, {"metadata": {"namespace": ns, "name": name}}, log) for ns, name in keys),
+            *(_pass(memo, {"metadata": {"namespace": ns, "name": name}}, log, "resync") for ns, name in keys),
             return_exceptions=True,
         )
         for (ns, name), result in zip(keys, results, strict=True):
@@ -92,6 +93,13 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
         settings.watching.server_timeout = 300
         settings.posting.level = logging.INFO
         settings.posting.loggers = False  # Events only for what reconcile() emits, never per log line
+
+    @kopf.on.startup(registry=registry)
+    def serve_metrics(logger: Any, **_: Any) -> None:
+        """The operator's own metrics on PAGODA_METRICS_PORT (none when 0)."""
+        if cfg.metrics_port:
+            metrics.serve(cfg.metrics_port)
+            logger.info("operator metrics on :%d/metrics", cfg.metrics_port)
 
     @kopf.on.startup(registry=registry)
     async def install_crd(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
@@ -166,8 +174,8 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             owner = body["metadata"]["labels"][children.MD_LABEL]
             md = {"metadata": {"namespace": body["metadata"]["namespace"], "name": owner}}
             try:
-                await _pass(memo, md, logger)
-            except Exception as err:  # the timer retries; a child event must not crash the watcher
+                await _pass(memo, md, logger, "child")
+            except Exception as err:  # the resync loop retries; a child event must not crash the watcher
                 logger.warning("repair of %s after a child change failed: %s", owner, err)
 
     return registry

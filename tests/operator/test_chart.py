@@ -168,6 +168,8 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # a pool back to one node, or the old pair
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),
+        ("rbac.authorization.k8s.io", "rolebindings"),  # an earlier operator's Role and binding
+        ("rbac.authorization.k8s.io", "roles"),
     ]
     assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == {
         "get",
@@ -177,7 +179,17 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         "patch",
         "delete",
     }
-    assert verbs[("", "pods")] == {"list", "patch"} and verbs[("", "events")] == {"create"}
+    # Cluster mode: the agents' pod patch is bound from the chart's ClusterRole, not held.
+    assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
+    bind = [rule for rule in operator if rule["resources"] == ["clusterroles"]]
+    assert bind == [
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["clusterroles"],
+            "resourceNames": ["pagoda-agent"],
+            "verbs": ["bind"],
+        }
+    ]
     assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
     assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none
