@@ -46,6 +46,9 @@ RESOURCES: dict[str, dict[str, Any]] = {
         "namespaced": True,
         "subresources": {"status", "scale"},
     },
+    # The Gateway API's HTTPRoute and the inference extension's InferencePool (spec.router.gateway).
+    "gateway.networking.k8s.io/v1/httproutes": {"kind": "HTTPRoute", "namespaced": True},
+    "inference.networking.k8s.io/v1/inferencepools": {"kind": "InferencePool", "namespaced": True},
     "pagoda.dev/v1alpha1/modeldeployments": {
         "kind": "ModelDeployment",
         "singular": "modeldeployment",
