@@ -126,3 +126,37 @@ def test_agent_pod_writes_per_minute(monkeypatch: pytest.MonkeyPatch, busy: bool
     asyncio.run(minute())
     expected = BUSY_WRITES_PER_AGENT_MINUTE if busy else IDLE_WRITES_PER_AGENT_MINUTE
     assert client.patches == expected
+
+
+def test_api_discovery_is_asked_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagoda.operator import kube as kube_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(kube_mod.time, "monotonic", lambda: clock[0])
+    calls: list[str] = []
+    served = [True]
+
+    class Info:
+        server = "https://api"
+
+    kube = kube_mod.Kube(Info())  # type: ignore[arg-type]
+
+    async def call(method: str, url: str, *_: Any) -> dict:
+        calls.append(url)
+        return {"resources": [{"name": "leaderworkersets"}] if served[0] else []}
+
+    monkeypatch.setattr(kube, "_call", call)
+
+    async def passes() -> list[bool]:
+        out = []
+        for _ in range(7):  # a pass every 10 s
+            out.append(await kube.served("LeaderWorkerSet"))
+            clock[0] += 10.0
+        return out
+
+    assert asyncio.run(passes()) == [True] * 7
+    assert calls == ["/apis/leaderworkerset.x-k8s.io/v1"] * 2  # at 0 s and at 60 s
+    served[0] = False  # not installed: asked at every pass, so an install shows at the next one
+    calls.clear()
+    clock[0] += 60.0
+    assert asyncio.run(passes()) == [False] * 7 and len(calls) == 7
