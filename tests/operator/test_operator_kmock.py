@@ -709,6 +709,8 @@ def test_network_policies_are_repaired_and_removed_when_turned_off(cluster: Clus
 UNEXERCISED = {
     ("", "namespaces", "list"): "kopf lists namespaces when PAGODA_WATCH_NAMESPACES holds patterns",
     ("", "namespaces", "watch"): "likewise",
+    ("rbac.authorization.k8s.io", "clusterroles", "bind"): "checked by the API server when the "
+    "agents' RoleBinding to the chart's agent ClusterRole is created (no call of its own)",
     ("rbac.authorization.k8s.io", "roles", "delete"): "an earlier operator's Role, on upgrade",
     ("rbac.authorization.k8s.io", "rolebindings", "delete"): "an earlier operator's RoleBinding, on upgrade",
     ("inference.networking.k8s.io", "inferencepools", "create"): "spec.router.gateway (test_gateway.py)",
