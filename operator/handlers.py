@@ -31,7 +31,9 @@ class Memo:
     windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # The ModelDeployments the watch has seen and not seen deleted: the resync loop's work list.
     known: set[tuple[str, str]] = field(default_factory=set)
-    resync_task: asyncio.Task | None = None
+    # The resync loop, in a dict: kopf hands each object a shallow copy of the memo, so only a
+    # shared container holds one loop for all of them.
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -127,10 +129,10 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: Memo, **_: Any) -> None:
-        if memo.resync_task is not None:
-            memo.resync_task.cancel()
+        for task in memo.tasks.values():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await memo.resync_task
+                await task
         if memo.kube is not None:
             await memo.kube.close()
 
@@ -144,8 +146,8 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     async def track(body: kopf.Body, type: str | None, memo: Memo, **_: Any) -> None:
         """Keep the resync loop's list of ModelDeployments (an event handler needs no finalizer).
         The loop starts from here, so that it inherits the handler context kopf.event posts in."""
-        if memo.resync_task is None:
-            memo.resync_task = asyncio.create_task(resync_loop(memo, cfg.resync_s), name="pagoda-resync")
+        if "resync" not in memo.tasks:
+            memo.tasks["resync"] = asyncio.create_task(resync_loop(memo, cfg.resync_s), name="pagoda-resync")
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if type == "DELETED":  # its children go with it through their ownerReferences
             memo.known.discard(key)
