@@ -20,7 +20,7 @@ import copy
 import hashlib
 from typing import Any
 
-from . import podspec, scaling
+from . import gateway, podspec, scaling
 from .config import Config
 from .spec import API_VERSION, KIND, POOLS, Drain, Pool, Spec
 
@@ -315,6 +315,11 @@ def _pod_template(
         "securityContext": podspec.pod_security_context(),
         "terminationGracePeriodSeconds": drain.grace_s,
     }
+    if not reports(role, worker):
+        # The router (which parses untrusted input) and the workers of a multi-node replica never
+        # report: no ServiceAccount of the agents, and no API token in the pod at all.
+        pod_spec = {"automountServiceAccountToken": False, **pod_spec}
+        del pod_spec["serviceAccountName"]
     if volumes:
         pod_spec["volumes"] = volumes
     annotations: Obj = {}
@@ -350,6 +355,12 @@ def _pod_template(
         template = podspec.strategic_merge(template, overlay)
         template["metadata"]["labels"].update(pod_labels)  # the selector labels stay ours
     return template
+
+
+def reports(role: str, worker: bool = False) -> bool:
+    """Whether the pods of a role write an agent report (need the agents' ServiceAccount): the
+    engine pods and the leaders of multi-node replicas; not the router, not the workers."""
+    return role in POOLS and not worker
 
 
 def _pod_labels(name: str, spec: Spec, role: str, slot: str) -> dict[str, str]:
@@ -562,17 +573,46 @@ def optional_children(meta: Obj, cfg: Config) -> list[tuple[str, str]]:
     out += [("PodDisruptionBudget", child_name(name, role)) for role in ("prefill", "decode", "router")]
     kind = "ScaledObject" if cfg.autoscaler == "keda" else "HorizontalPodAutoscaler"
     out += [(kind, child_name(name, role)) for role in ("prefill", "decode")]
+    out += [(gateway.POOL_KIND, name), (gateway.ROUTE_KIND, name)]  # spec.router.gateway removed
+    if cfg.agent_cluster_role:  # an older operator's Role and its binding: the ClusterRole replaces them
+        out += [("RoleBinding", child_name(name, AGENT)), ("Role", child_name(name, AGENT))]
     return out
 
 
 AGENT = "pagoda-agent"  # the agents' ServiceAccount is <md>-pagoda-agent (the chart's admission policy keys on it)
 
 
-def agent_rbac(meta: Obj) -> list[Obj]:
+def agent_binding_name(md_name: str) -> str:
+    """The RoleBinding of the agents to the chart's agent ClusterRole (cluster mode)."""
+    return f"{child_name(md_name, AGENT)}-pods"
+
+
+def agent_rbac(meta: Obj, cfg: Config | None = None) -> list[Obj]:
     """ServiceAccount, Role and RoleBinding letting the agents patch pods in this namespace: each
     agent writes its report into its own Pod's annotation. RBAC cannot name a pod not created yet;
-    the chart's ValidatingAdmissionPolicy narrows it to the agent's own pod and that annotation."""
+    the chart's ValidatingAdmissionPolicy narrows it to the agent's own pod and that annotation.
+
+    With ``cfg.agent_cluster_role`` (the chart's cluster mode) the RoleBinding binds that ClusterRole
+    instead of a Role of our own, so the operator needs ``bind`` on that one ClusterRole rather than
+    holding ``pods patch`` everywhere; it is named apart (a binding's roleRef cannot change)."""
     name = child_name(meta["name"], AGENT)
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(meta, name, "agent")}
+    if cfg is not None and cfg.agent_cluster_role:
+        binding = agent_binding_name(meta["name"])
+        return [
+            sa,
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": _metadata(meta, binding, "agent"),
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": cfg.agent_cluster_role,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": meta["namespace"]}],
+            },
+        ]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(meta, name, "agent")},
         {
@@ -661,7 +701,7 @@ def build(
     pair's selectors until its traffic moves."""
     slots = slots or {}
     generation = formats_generation(spec)
-    objs = agent_rbac(meta) + network_policies(meta, spec, serving_kinds)
+    objs = agent_rbac(meta, cfg) + network_policies(meta, spec, serving_kinds)
     for role in ("decode", "prefill", "router"):
         objs.append(workload(meta, spec, role, cfg, internal_uid, slots.get(role, BLUE)))
         if role == "router":
@@ -671,4 +711,7 @@ def build(
         objs.append(service(meta, spec, role, formats, serving_kinds))
         objs.append(headless_service(meta, spec, role, formats, serving_kinds))
     objs += scaling_children(meta, spec, cfg, scale_slots or slots, serving_kinds)
+    objs += gateway.gateway_children(
+        meta, spec, _metadata(meta, meta["name"], "router"), selector(meta["name"], "router"), PORT
+    )
     return {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}

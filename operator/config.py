@@ -35,6 +35,9 @@ class Config:
     install_crd: bool = True  # server-side apply the CRD at start
     shift_settle_s: float = 15.0  # format change: between moving the two pools' Services, and before removal
     crd_file: str = ""  # empty: crds/modeldeployment.yaml next to the package, else /app/crds
+    # The chart's agent ClusterRole (cluster mode): bound per ModelDeployment instead of a Role.
+    agent_cluster_role: str = ""
+    metrics_port: int = 0  # the operator's Prometheus metrics port; 0: not served
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -64,4 +67,6 @@ class Config:
             install_crd=_flag(env.get("PAGODA_INSTALL_CRD"), cls.install_crd),
             crd_file=env.get("PAGODA_CRD_FILE", cls.crd_file),
             shift_settle_s=float(env.get("PAGODA_SHIFT_SETTLE_S", cls.shift_settle_s)),
+            agent_cluster_role=env.get("PAGODA_AGENT_CLUSTER_ROLE", cls.agent_cluster_role).strip(),
+            metrics_port=int(env.get("PAGODA_METRICS_PORT") or cls.metrics_port),
         )

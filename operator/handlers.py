@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
-from . import children, crd
+from . import children, crd, metrics
 from .config import Config
 from .kube import Kube
 from .reconcile import reconcile
@@ -30,6 +31,11 @@ class Memo:
     windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # The installed LeaderWorkerSet's version check, done once per run (lws_support).
     lws_checked: dict[str, Any] = field(default_factory=dict)
+    # The ModelDeployments the watch has seen and not seen deleted: the resync loop's work list.
+    known: set[tuple[str, str]] = field(default_factory=set)
+    # The resync loop, in a dict: kopf hands each object a shallow copy of the memo, so only a
+    # shared container holds one loop for all of them.
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -43,23 +49,44 @@ def _emitter(body: Any, logger: logging.Logger | logging.LoggerAdapter) -> Any:
     return emit
 
 
-async def _pass(memo: Memo, body: dict[str, Any], logger: Any) -> None:
+async def _pass(memo: Memo, body: dict[str, Any], logger: Any, trigger: str = "change") -> None:
     if memo.kube is None:
         raise kopf.TemporaryError("not logged in yet", delay=1)
     meta = body["metadata"]
     async with memo.lock(meta["namespace"], meta["name"]):
         # Re-read under the lock: the body kopf hands over may predate the previous pass's writes.
-        fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
-        if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
-            return
-        await reconcile(
-            memo.kube,
-            fresh,
-            memo.cfg,
-            emit=_emitter(fresh, logger),
-            windows=memo.windows,
-            lws_checked=memo.lws_checked,
+        async with metrics.timed(trigger):
+            fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
+            if fresh is None or fresh.get("metadata", {}).get("deletionTimestamp"):
+                return
+            await reconcile(
+                memo.kube,
+                fresh,
+                memo.cfg,
+                emit=_emitter(fresh, logger),
+                windows=memo.windows,
+                lws_checked=memo.lws_checked,
+            )
+
+
+log = logging.getLogger("pagoda.operator")
+
+
+async def resync_loop(memo: Memo, interval_s: float) -> None:
+    """Every ``interval_s``, one pass of each known ModelDeployment (level-based repair and status).
+
+    A kopf timer would do the same, but kopf puts a finalizer on every object a timer runs on, and
+    a finalizer makes deletion wait for the operator; this loop needs none."""
+    while True:
+        await asyncio.sleep(interval_s)
+        keys = sorted(memo.known)
+        results = await asyncio.gather(
+            *(_pass(memo, {"metadata": {"namespace": ns, "name": name}}, log, "resync") for ns, name in keys),
+            return_exceptions=True,
         )
+        for (ns, name), result in zip(keys, results, strict=True):
+            if isinstance(result, Exception) and not isinstance(result, kopf.TemporaryError):
+                log.warning("resync of %s/%s failed: %s", ns, name, result)
 
 
 def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegistry:
@@ -70,10 +97,20 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
         settings.scanning.disabled = True
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        # No handler needs a finalizer (no delete handler, no kopf timer), so kopf adds none and
+        # removes this one from objects an older operator marked: a ModelDeployment (or its
+        # namespace) deletes without the operator running; the garbage collector takes the children.
         settings.persistence.finalizer = f"{GROUP}/operator"
         settings.watching.server_timeout = 300
         settings.posting.level = logging.INFO
         settings.posting.loggers = False  # Events only for what reconcile() emits, never per log line
+
+    @kopf.on.startup(registry=registry)
+    def serve_metrics(logger: Any, **_: Any) -> None:
+        """The operator's own metrics on PAGODA_METRICS_PORT (none when 0)."""
+        if cfg.metrics_port:
+            metrics.serve(cfg.metrics_port)
+            logger.info("operator metrics on :%d/metrics", cfg.metrics_port)
 
     @kopf.on.startup(registry=registry)
     async def install_crd(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
@@ -101,6 +138,10 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: Memo, **_: Any) -> None:
+        for task in memo.tasks.values():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if memo.kube is not None:
             await memo.kube.close()
 
@@ -110,17 +151,20 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     async def converge(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
         await _pass(memo, dict(body), logger)
 
-    @kopf.timer(*MD, registry=registry, interval=cfg.resync_s, initial_delay=cfg.resync_s)
-    async def resync(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
-        await _pass(memo, dict(body), logger)
-
-    @kopf.on.delete(*MD, registry=registry)
-    def deleted(body: kopf.Body, memo: Memo, logger: Any, **_: Any) -> None:
-        """Children carry ownerReferences: the garbage collector removes them; only forget the lock."""
+    @kopf.on.event(*MD, registry=registry)
+    async def track(body: kopf.Body, type: str | None, memo: Memo, **_: Any) -> None:
+        """Keep the resync loop's list of ModelDeployments (an event handler needs no finalizer).
+        The loop starts from here, so that it inherits the handler context kopf.event posts in."""
+        if "resync" not in memo.tasks:
+            memo.tasks["resync"] = asyncio.create_task(resync_loop(memo, cfg.resync_s), name="pagoda-resync")
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        memo.locks.pop(key, None)
-        memo.windows.pop(key, None)
-        logger.info("ModelDeployment deleted; its children go with it through ownerReferences")
+        if type == "DELETED":  # its children go with it through their ownerReferences
+            memo.known.discard(key)
+            memo.locks.pop(key, None)
+            memo.windows.pop(key, None)
+            log.info("ModelDeployment %s/%s deleted; the garbage collector removes its children", *key)
+        else:
+            memo.known.add(key)
 
     # Secrets are not watched: that would need list/watch on every Secret in the watched
     # namespaces. A deleted ``<md>-internal`` Secret comes back on the next timer pass.
@@ -141,8 +185,8 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             owner = body["metadata"]["labels"][children.MD_LABEL]
             md = {"metadata": {"namespace": body["metadata"]["namespace"], "name": owner}}
             try:
-                await _pass(memo, md, logger)
-            except Exception as err:  # the timer retries; a child event must not crash the watcher
+                await _pass(memo, md, logger, "child")
+            except Exception as err:  # the resync loop retries; a child event must not crash the watcher
                 logger.warning("repair of %s after a child change failed: %s", owner, err)
 
     return registry

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -10,6 +11,7 @@ import aiohttp
 import kopf
 
 Obj = dict[str, Any]
+DISCOVERY_TTL_S = 60.0  # how long an API discovery answer (is LeaderWorkerSet served?) is kept
 
 # Kind -> (API path prefix, plural) for the kinds the operator touches.
 KINDS: dict[str, tuple[str, str]] = {
@@ -26,6 +28,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
 }
 
 
@@ -64,6 +68,7 @@ class Kube:
         self.server = info.server.rstrip("/")
         self._info = info
         self._session: aiohttp.ClientSession | None = None
+        self._served: dict[str, tuple[float, bool]] = {}  # kind -> (when asked, served)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -100,6 +105,10 @@ class Kube:
         """The object, or None when it does not exist."""
         return await self._call("GET", path(kind, namespace, name))
 
+    async def read(self, url: str) -> Obj | None:
+        """GET an absolute API path (a cluster-scoped object such as a CRD); None when absent."""
+        return await self._call("GET", url)
+
     async def list(self, kind: str, namespace: str, labels: dict[str, str]) -> list[Obj]:
         """Objects of a kind in a namespace carrying all the given labels."""
         selector = ",".join(f"{k}={v}" for k, v in labels.items())
@@ -126,10 +135,19 @@ class Kube:
 
     async def served(self, kind: str) -> bool:
         """Whether the API server serves a kind (API discovery of its group version): an optional
-        CRD such as LeaderWorkerSet may not be installed."""
+        CRD such as LeaderWorkerSet may not be installed. A yes is kept for ``DISCOVERY_TTL_S``,
+        so passes do not ask the API server each time; a no is asked again (an install is seen
+        at the next pass)."""
+        cached = self._served.get(kind)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
         prefix, plural = KINDS[kind]
         found = await self._call("GET", prefix)
-        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
+        answer = any(r.get("name") == plural for r in (found or {}).get("resources") or [])
+        if answer:
+            self._served[kind] = (now, answer)
+        return answer
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         """Delete an object (only if its uid is still ``uid``, when given); False when it was gone."""

@@ -154,6 +154,17 @@ class NetworkPolicy:
 
 
 @dataclass(frozen=True)
+class Gateway:
+    """``spec.router.gateway``: a Gateway API inference extension front (InferencePool + HTTPRoute)."""
+
+    parent_refs: tuple[dict[str, Any], ...] = ()
+    hostnames: tuple[str, ...] = ()
+    endpoint_picker: str = ""  # the endpoint picker's Service
+    endpoint_picker_port: int = 9002
+    failure_mode: str = "FailClose"
+
+
+@dataclass(frozen=True)
 class Router:
     replicas: int = 1
     service_type: str = "ClusterIP"
@@ -162,6 +173,7 @@ class Router:
     rolling_update: RollingUpdate = field(default_factory=RollingUpdate)
     disruption_budget: DisruptionBudget = field(default_factory=DisruptionBudget)
     pod_template: dict[str, Any] = field(default_factory=dict)
+    gateway: Gateway | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +296,19 @@ def _network_policy(raw: dict[str, Any] | None) -> NetworkPolicy:
     )
 
 
+def _gateway(raw: dict[str, Any] | None) -> Gateway | None:
+    if not raw:
+        return None
+    picker = raw.get("endpointPicker") or {}
+    return Gateway(
+        parent_refs=tuple(dict(r) for r in raw.get("parentRefs") or []),
+        hostnames=tuple(str(h) for h in raw.get("hostnames") or []),
+        endpoint_picker=str(picker.get("name", "")),
+        endpoint_picker_port=int(picker.get("port", Gateway.endpoint_picker_port)),
+        failure_mode=str(picker.get("failureMode", Gateway.failure_mode)),
+    )
+
+
 def parse(raw: dict[str, Any]) -> Spec:
     """Read a spec dict (as stored in the cluster) into a Spec with defaults applied."""
     model = raw.get("model") or {}
@@ -317,6 +342,7 @@ def parse(raw: dict[str, Any]) -> Spec:
             rolling_update=_rolling(router.get("rollingUpdate")),
             disruption_budget=_budget(router.get("disruptionBudget")),
             pod_template=dict(router.get("podTemplate") or {}),
+            gateway=_gateway(router.get("gateway")),
         ),
         auth=_auth(raw.get("auth")),
         network_policy=_network_policy(raw.get("networkPolicy")),

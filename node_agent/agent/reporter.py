@@ -1,6 +1,8 @@
 """The agent reporter: write this pod's report into its own Pod every interval.
 
 On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
+The report is built every interval and written when its figures changed, else once a heartbeat
+(``PAGODA_REPORT_HEARTBEAT_S``, 30 s), so idle agents do not write their pod every interval.
 Each report is a JSON merge patch of this Pod's ``pagoda.dev/agent-report`` annotation: an
 ``AgentReport`` (pagoda/agent_report.py, the shape the operator reads) as compact JSON. The
 operator reads the pods of its ModelDeployment and keeps only sums and the worst agents in the
@@ -54,6 +56,9 @@ class ReporterConfig:
     pool: str
     node: str = ""
     interval_s: float = 10.0
+    # An unchanged report (same figures, only a newer time) is written at most this often: an idle
+    # agent costs the API server one pod write per heartbeat instead of one per interval.
+    heartbeat_s: float = 30.0
 
     @classmethod
     def from_env(
@@ -66,7 +71,10 @@ class ReporterConfig:
             return None
         ns = env.get("PAGODA_MD_NAMESPACE") or _sa_namespace() or "default"
         every = interval if interval is not None else float(env.get("PAGODA_REPORT_INTERVAL_S") or 10)
-        return cls(name, ns, pod, env.get("PAGODA_POOL") or pool, env.get("PAGODA_NODE_NAME", ""), every)
+        heartbeat = max(every, float(env.get("PAGODA_REPORT_HEARTBEAT_S") or cls.heartbeat_s))
+        return cls(
+            name, ns, pod, env.get("PAGODA_POOL") or pool, env.get("PAGODA_NODE_NAME", ""), every, heartbeat
+        )
 
     @property
     def path(self) -> str:
@@ -174,6 +182,8 @@ class AgentReporter:
         self.failures = 0
         self._task: asyncio.Task | None = None
         self._prev: tuple[float, int] | None = None
+        self._last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, figures) last sent
+        self.skipped = 0
 
     async def start(self) -> None:
         self.auth = self.auth or KubeAuth.discover()
@@ -193,9 +203,20 @@ class AgentReporter:
             return 0.0
         return max(0, snap.generation_tokens - prev[1]) / (now - prev[0])
 
-    async def report_once(self, client: httpx.AsyncClient) -> None:
+    async def report_once(self, client: httpx.AsyncClient, force: bool = True) -> bool:
+        """Write this pod's report; unless ``force``, only when its figures changed or the
+        heartbeat is due. Returns whether it wrote."""
         snap = self.snapshot()
         report = build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
+        figures = {k: v for k, v in report.to_status().items() if k != "lastReportTime"}
+        now = time.monotonic()
+        if not force and self._last is not None:
+            sent_at, sent = self._last
+            # Half an interval of slack: a sleep may end a hair early, and the heartbeat falls
+            # on a report of the interval grid either way.
+            if sent == figures and now - sent_at < self.cfg.heartbeat_s - self.cfg.interval_s / 2:
+                self.skipped += 1
+                return False
         body = {"metadata": {"annotations": {REPORT_ANNOTATION: to_annotation(report)}}}
         assert self.auth is not None
         resp = await client.patch(
@@ -206,6 +227,8 @@ class AgentReporter:
         if resp.status_code >= 300:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
         self.sent += 1
+        self._last = (now, figures)
+        return True
 
     async def _loop(self) -> None:
         assert self.auth is not None
@@ -221,7 +244,7 @@ class AgentReporter:
         async with httpx.AsyncClient(headers=self.auth.headers, verify=verify, timeout=10) as client:
             while True:
                 try:
-                    await self.report_once(client)
+                    await self.report_once(client, force=False)
                 except Exception as exc:  # keep reporting; the operator marks us stale meanwhile
                     self.failures += 1
                     log.warning("agent report failed: %s", exc)

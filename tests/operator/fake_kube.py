@@ -36,6 +36,8 @@ class FakeKube:
         self.unserved: set[str] = set()  # kinds whose API is not installed (discovery says no)
         self.documents: dict[str, Obj] = {}  # absolute-path GETs: OpenAPI documents
         self._uid = 0
+        self.paths: dict[str, Obj] = {}  # cluster-scoped objects by API path (the CRD)
+        self.reads: list[str] = []
 
     def _check(self, kind: str, verb: str) -> None:
         if (kind, verb) in self.refuse:
@@ -50,10 +52,6 @@ class FakeKube:
         meta = obj["metadata"]
         self.objects[(obj["kind"], meta["namespace"], meta["name"])] = obj
         return obj
-
-    async def read(self, url: str) -> Obj | None:
-        """Absolute-path GETs (OpenAPI documents): the ones a test put in ``documents``."""
-        return self.documents.get(url)
 
     async def served(self, kind: str) -> bool:
         return kind not in self.unserved
@@ -90,7 +88,15 @@ class FakeKube:
         self.writes.append(("delete", kind, name))
         return self.objects.pop((kind, namespace, name), None) is not None
 
+    async def read(self, url: str) -> Obj | None:
+        """An absolute-path GET: an OpenAPI document a test put in ``documents``, or a cluster-scoped
+        object stored with ``put_path`` or ``apply`` (the CRD); None when neither holds it."""
+        self.reads.append(url)
+        obj = self.documents.get(url, self.paths.get(url))
+        return copy.deepcopy(obj) if obj is not None else None
+
     async def apply(self, url: str, obj: Obj) -> Obj:
         self._check(obj["kind"], "apply")
         self.writes.append(("apply", obj["kind"], url))
+        self.paths[url.split("?", 1)[0]] = copy.deepcopy(obj)
         return obj

@@ -46,6 +46,9 @@ RESOURCES: dict[str, dict[str, Any]] = {
         "namespaced": True,
         "subresources": {"status", "scale"},
     },
+    # The Gateway API's HTTPRoute and the inference extension's InferencePool (spec.router.gateway).
+    "gateway.networking.k8s.io/v1/httproutes": {"kind": "HTTPRoute", "namespaced": True},
+    "inference.networking.k8s.io/v1/inferencepools": {"kind": "InferencePool", "namespaced": True},
     "pagoda.dev/v1alpha1/modeldeployments": {
         "kind": "ModelDeployment",
         "singular": "modeldeployment",
@@ -113,7 +116,9 @@ class Cluster:
         self.url = ""
         self._started = threading.Event()
         self._ready = threading.Event()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # stops the operator
+        self._shutdown = threading.Event()  # then the emulator
+        self._operator_done = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kopf-kmock", daemon=True)
 
@@ -124,7 +129,14 @@ class Cluster:
 
     def stop(self) -> None:
         self._stop.set()
+        self._shutdown.set()
         self._thread.join(timeout=20)
+
+    def stop_operator(self, timeout: float = 20) -> None:
+        """Stop the operator and keep the API emulator serving (a cluster after uninstall)."""
+        self._stop.set()
+        if not self._operator_done.wait(timeout):
+            raise RuntimeError("the operator did not stop")
 
     def _run(self) -> None:
         try:
@@ -167,6 +179,9 @@ class Cluster:
                 stop_flag=self._stop,
                 ready_flag=self._ready,
             )
+            self._operator_done.set()
+            while not self._shutdown.is_set():
+                await asyncio.sleep(0.05)
 
     # --- a tiny synchronous API client for the test thread -------------------------------
 

@@ -74,12 +74,15 @@ def test_default_render_is_valid(chart: helm_python.Chart) -> None:
     docs = render(chart)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == [
-        "ClusterRole",  # agent (reference)
+        "ClusterRole",  # agent (bound per ModelDeployment)
+        "ClusterRole",  # ModelDeployments for the aggregated edit/admin roles
+        "ClusterRole",  # ModelDeployments for the aggregated view role
         "ClusterRole",  # operator
         "ClusterRole",  # operator: its CRD
         "ClusterRoleBinding",
         "ClusterRoleBinding",
         "Deployment",
+        "Service",  # the operator's metrics
         "ServiceAccount",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
@@ -95,7 +98,9 @@ def test_default_render_is_valid(chart: helm_python.Chart) -> None:
 
 def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
     docs = render(chart, NON_DEFAULT)
-    by_kind = {d["kind"]: d for d in docs}
+    # By kind; of the two ServiceMonitors, the agents' (the operator's: test_least_privilege.py).
+    operator_monitor = ("ServiceMonitor", "pagoda-operator")
+    by_kind = {d["kind"]: d for d in docs if (d["kind"], d["metadata"]["name"]) != operator_monitor}
     assert {"ServiceMonitor", "ConfigMap", "PrometheusRule"} <= set(by_kind)
     for doc in docs:
         validate(doc)
@@ -132,7 +137,11 @@ def test_prometheus_rules_alert_on_integrity_and_stale_agents(chart: helm_python
     # Stale agents: only targets of the chart's ServiceMonitor (they carry its target label).
     assert rules["PagodaStaleAgents"]["expr"] == 'up{pagoda_dev_model_deployment!=""} == 0'
     assert monitor_target_label(render(chart, NON_DEFAULT)) == "pagoda.dev/model-deployment"
-    monitor = next(d for d in render(chart, NON_DEFAULT) if d["kind"] == "ServiceMonitor")
+    monitor = next(
+        d
+        for d in render(chart, NON_DEFAULT)
+        if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == "pagoda-agents"
+    )
     # The headless per-pod Services select the same pods: the monitor skips them (no double scrape).
     assert monitor["spec"]["selector"]["matchExpressions"] == [
         {"key": "pagoda.dev/headless", "operator": "DoesNotExist"}
@@ -162,7 +171,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
             "resourceNames": ["modeldeployments.pagoda.dev"],
-            "verbs": ["patch"],  # server-side apply of the one CRD; Helm creates it at install
+            "verbs": ["get", "patch"],  # read (never downgrade), server-side apply of the one CRD
         }
     ]
     operator = roles["pagoda-operator"]["rules"]
@@ -174,9 +183,13 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     assert sorted(key for key, v in verbs.items() if "delete" in v) == [
         ("apps", "deployments"),  # the old pair of a format change
         ("autoscaling", "horizontalpodautoscalers"),
+        ("gateway.networking.k8s.io", "httproutes"),  # spec.router.gateway dropped
+        ("inference.networking.k8s.io", "inferencepools"),
         ("leaderworkerset.x-k8s.io", "leaderworkersets"),  # a pool back to one node, or the old pair
         ("networking.k8s.io", "networkpolicies"),
         ("policy", "poddisruptionbudgets"),
+        ("rbac.authorization.k8s.io", "rolebindings"),  # an earlier operator's Role and binding
+        ("rbac.authorization.k8s.io", "roles"),
     ]
     assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == {
         "get",
@@ -186,7 +199,17 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
         "patch",
         "delete",
     }
-    assert verbs[("", "pods")] == {"list", "patch"} and verbs[("", "events")] == {"create"}
+    # Cluster mode: the agents' pod patch is bound from the chart's ClusterRole, not held.
+    assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
+    bind = [rule for rule in operator if rule["resources"] == ["clusterroles"]]
+    assert bind == [
+        {
+            "apiGroups": ["rbac.authorization.k8s.io"],
+            "resources": ["clusterroles"],
+            "resourceNames": ["pagoda-agent"],
+            "verbs": ["bind"],
+        }
+    ]
     assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
     assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none

@@ -247,7 +247,12 @@ def test_watch_namespaces_renders_roles_not_a_cluster_role() -> None:
     ) in roles
     assert ("ClusterRole", "pagoda-operator", None) not in roles
     cluster_roles = {name for kind, name, _ in roles if kind == "ClusterRole"}
-    assert cluster_roles == {"pagoda-agent", "pagoda-operator-crd"}  # the CRD is cluster-scoped
+    assert cluster_roles == {  # the CRD is cluster-scoped; the aggregated roles are for users
+        "pagoda-agent",
+        "pagoda-operator-crd",
+        "pagoda-modeldeployments-edit",
+        "pagoda-modeldeployments-view",
+    }
     role = next(d for d in docs if d["kind"] == "Role")
     assert {r for rule in role["rules"] for r in rule["resources"]} >= {
         "modeldeployments",

@@ -116,6 +116,7 @@ def test_reporter_annotates_its_pod_and_the_operator_aggregates_it(cluster, stac
             "PAGODA_POD_NAME": POD,
             "PAGODA_POOL": "decode",
             "PAGODA_NODE_NAME": "node-a",
+            "PAGODA_REPORT_HEARTBEAT_S": "0.3",  # write each interval though an idle engine's figures stay
         },
     )
     snap = stack.aengine.snapshot  # a live engine's figures

@@ -278,6 +278,7 @@ class EngineCollector(Collector):
         for op, backend in kernel_backends().items():
             kernels.add_metric([p, op], {"backend": backend})
         yield kernels
+        yield from protocol_families(s)
 
 
 def kernel_backends() -> dict[str, str]:
@@ -286,6 +287,39 @@ def kernel_backends() -> dict[str, str]:
     selector = sys.modules.get("pagoda.kernels.selector")
     selection = selector.active_selection() if selector is not None else None
     return {} if selection is None else {op: backend for op, backend, _ in selection.rows()}
+
+
+# The Gateway API inference extension's model server protocol: the names an endpoint picker
+# scrapes (vLLM's spelling), mapped from the engine's own figures (docs/operator.md, Gateway).
+PROTOCOL_WAITING = "vllm:num_requests_waiting"  # = pagoda_waiting_sequences
+PROTOCOL_RUNNING = "vllm:num_requests_running"  # = pagoda_running_sequences
+PROTOCOL_KV_USAGE = "vllm:kv_cache_usage_perc"  # = sum(kv_used_tokens) / sum(kv_capacity_tokens), 0-1
+PROTOCOL_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # the same, under the name older pickers read
+PROTOCOL_CACHE_INFO = "vllm:cache_config_info"  # block_size: the KV page size in tokens
+
+
+def protocol_families(s: EngineSnapshot) -> list[GaugeMetricFamily]:
+    """The model-server protocol gauges of one engine snapshot, labelled ``model_name``."""
+    label = ["model_name"]
+    capacity = s.kv_capacity_tokens
+    usage = s.kv_used_tokens / capacity if capacity > 0 else 0.0
+    out = []
+    for name, doc, value in (
+        (PROTOCOL_WAITING, "Requests queued for admission (pagoda_waiting_sequences)", s.waiting),
+        (PROTOCOL_RUNNING, "Requests in the running batch (pagoda_running_sequences)", s.running),
+        (PROTOCOL_KV_USAGE, "Fraction of KV cache tokens in use, 0-1", usage),
+        (PROTOCOL_KV_USAGE_OLD, "Fraction of KV cache tokens in use, 0-1 (older name)", usage),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=label)
+        g.add_metric([s.model], value)
+        out.append(g)
+    if s.pools:
+        info = GaugeMetricFamily(
+            PROTOCOL_CACHE_INFO, "KV cache configuration (1)", labels=["model_name", "block_size"]
+        )
+        info.add_metric([s.model, str(s.pools[0].page_size)], 1.0)
+        out.append(info)
+    return out
 
 
 def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFamily]:
