@@ -153,7 +153,3 @@ class Kube:
         """Delete an object (only if its uid is still ``uid``, when given); False when it was gone."""
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}} if uid else None
         return await self._call("DELETE", path(kind, namespace, name), body) is not None
-
-    async def read(self, url: str) -> Obj | None:
-        """GET at an absolute API path (a discovery or OpenAPI document); None when it is absent."""
-        return await self._call("GET", url)
