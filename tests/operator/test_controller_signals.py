@@ -166,3 +166,49 @@ def test_the_mismatch_rate_decays_to_unknown_after_a_window_without_checks() -> 
     body = run(later)
     assert condition(body, "KVIntegrityDegraded")["reason"] == "WithinThreshold"
     assert body["status"]["decode"]["mismatchRate"] == 0.0
+
+
+def _run_controller(kube: FakeKube, kind: str, name: str, observed: bool) -> None:
+    """Play the workload's controller: generation 1, one ready replica; LeaderWorkerSet with its
+    conditions, and observedGeneration only when ``observed`` (a Deployment always has it)."""
+    obj = kube.objects[(kind, NS, name)]
+    obj["metadata"]["generation"] = 1
+    status: dict = dict(COUNTS)
+    if kind == "LeaderWorkerSet":
+        status["conditions"] = conds(Available="True", Progressing="False", UpdateInProgress="False")
+    if observed or kind != "LeaderWorkerSet":
+        status["observedGeneration"] = 1
+    obj["status"] = status
+
+
+@pytest.mark.parametrize(
+    "observed", [True, False], ids=["with-observedGeneration", "without-observedGeneration"]
+)
+def test_a_multi_node_format_change_completes_over_passes(observed: bool) -> None:
+    from fake_kube import merge_patch
+
+    kube = FakeKube()
+    kube.put({"kind": "ModelDeployment", **md(prefill={"gpus": 0}, decode=MULTI)})
+    cfg = Config(shift_settle_s=0.5)
+
+    def run(t: int):  # noqa: ANN202
+        return asyncio.run(reconcile(kube, stored(kube), cfg, now=NOW + dt.timedelta(seconds=t)))  # type: ignore[arg-type]
+
+    run(0)
+    for kind, name in [
+        ("LeaderWorkerSet", "smollm-decode"),
+        ("Deployment", "smollm-prefill"),
+        ("Deployment", "smollm-router"),
+    ]:
+        _run_controller(kube, kind, name, observed)
+    assert run(1).stage is None and condition(stored(kube), "Progressing")["reason"] == "RolloutComplete"
+    body = stored(kube)
+    body["spec"] = merge_patch(body["spec"], {"prefill": {"kvCacheFormat": "int8"}})
+    body["metadata"]["generation"] = 2
+    assert run(2).stage == "StartNewPair"
+    _run_controller(kube, "LeaderWorkerSet", "smollm-decode-green", observed)
+    _run_controller(kube, "Deployment", "smollm-prefill-green", observed)
+    stages = [run(t).stage for t in range(3, 8)]
+    assert stages[:3] == ["ShiftTraffic", "ShiftTraffic", "RemoveOldPair"] and stages[3:] == [None, None]
+    assert ("LeaderWorkerSet", NS, "smollm-decode") not in kube.objects
+    assert condition(stored(kube), "Progressing")["reason"] == "RolloutComplete"
