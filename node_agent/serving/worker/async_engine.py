@@ -237,8 +237,10 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(done)
         except BaseException:
-            if not done.done() or done.exception() is None:
-                for rid in rids:  # cancelled while queued: make sure they do not run unseen
+            # cancelled while queued (wrap_future cancels ``done`` too): make sure they do not run
+            # unseen; a cancelled ``done`` has no exception to ask for (asking would raise)
+            if not done.done() or done.cancelled() or done.exception() is None:
+                for rid in rids:
                     self.abort(rid)
             raise
         return [RequestStream(self, live) for live in lives]
