@@ -15,7 +15,7 @@ from op_schema import admit, example
 from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, to_annotation
 from pagoda.node_agent.agent import reporter as reporter_mod
 from pagoda.node_agent.agent.reporter import AgentReporter, ReporterConfig
-from pagoda.node_agent.serving.metrics import EngineSnapshot
+from pagoda.node_agent.serving.api.metrics import EngineSnapshot
 from pagoda.operator.config import Config
 from pagoda.operator.reconcile import reconcile
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.node_agent.serving.metrics import metric_sum
+from pagoda.node_agent.serving.api.metrics import metric_sum
 
 from .live import metrics, wait_idle
 
