@@ -1,8 +1,8 @@
 """Which existing objects a ModelDeployment may change: only the children it made.
 
-An object with a child's name is the ModelDeployment's when it carries the operator's labels for
-it (``app.kubernetes.io/managed-by: pagoda-operator`` and ``pagoda.dev/model-deployment: NAME``)
-and no other controller's ownerReference. Anything else (a Service another Deployment owns, an
+An object with a child's name is the ModelDeployment's when its controller ownerReference is the
+ModelDeployment, or, with no controller at all, when it carries the operator's labels for it
+(``app.kubernetes.io/managed-by: pagoda-operator`` and ``pagoda.dev/model-deployment: NAME``). Anything else (a Service another Deployment owns, an
 object someone created by hand) is left untouched: no patch, no delete, no adoption. The pass
 reports it instead, as controller-runtime does (reason ``AlreadyOwned``).
 """
@@ -32,7 +32,9 @@ def foreign(live: Obj, owner: Obj) -> str | None:
     """Why ``live`` is not ``owner``'s (a ModelDeployment's metadata) to change; None when it is."""
     meta = live.get("metadata") or {}
     controller = next((o for o in meta.get("ownerReferences") or [] if o.get("controller")), None)
-    if controller is not None and controller.get("uid") != owner.get("uid"):
+    if controller is not None:  # ours by its controller reference (hand-edited labels are repaired)
+        if controller.get("uid") == owner.get("uid"):
+            return None
         return f"is controlled by {controller.get('kind', '?')}/{controller.get('name', '?')}"
     labels = meta.get("labels") or {}
     if labels.get(MANAGED_BY_LABEL) != MANAGED_BY or labels.get(MD_LABEL) != owner.get("name"):
