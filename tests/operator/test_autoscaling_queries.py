@@ -57,7 +57,9 @@ def test_the_chart_renders_adapter_rules_for_every_hpa_metric() -> None:
     assert cm["kind"] == "ConfigMap" and cm["metadata"]["namespace"] == "monitoring"
     rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     assert {r["name"]["as"] for r in rules} == set(scaling.HPA_METRICS.values())
-    exported = set(re.findall(r'"(pagoda_[a-z_0-9]+)"', (ROOT / "node_agent/serving/api/metrics.py").read_text()))
+    exported = set(
+        re.findall(r'"(pagoda_[a-z_0-9]+)"', (ROOT / "node_agent/serving/api/metrics.py").read_text())
+    )
     for rule in rules:
         assert rule["resources"]["overrides"] == {
             "namespace": {"resource": "namespace"},

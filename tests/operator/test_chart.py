@@ -120,7 +120,9 @@ def test_non_default_render_is_valid(chart: helm_python.Chart) -> None:
 
 
 def monitor_target_label(docs: list[dict]) -> str:
-    agents = next(d for d in docs if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == "pagoda-agents")
+    agents = next(
+        d for d in docs if d["kind"] == "ServiceMonitor" and d["metadata"]["name"] == "pagoda-agents"
+    )
     (label,) = agents["spec"]["targetLabels"]
     return label
 

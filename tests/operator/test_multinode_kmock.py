@@ -227,7 +227,7 @@ def test_a_format_change_that_also_goes_multi_node_keeps_the_old_pair_serving(cl
     cluster.patch(f"{LWSS}/smollm-decode-green/status", ready)
     cluster.patch(f"{DEPS}/smollm-prefill-green/status", ready)
     cluster.wait_for(
-        lambda: cluster.get(f"{DEPS}/smollm-decode") is None, what="old decode removed", timeout=30
+        lambda: cluster.get(f"{DEPS}/smollm-decode") is None, what="old decode removed", timeout=120
     )
     moved = selector(cluster, "smollm-decode-pods")
     assert moved[WORKER_INDEX] == "0" and moved["pagoda.dev/formats"] != old["pagoda.dev/formats"]
