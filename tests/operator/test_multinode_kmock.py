@@ -197,7 +197,7 @@ def test_a_format_change_of_a_multi_node_pool_is_blue_green(cluster: Cluster) ->
         f"{DEPS}/smollm-prefill-green/status",
         {"status": {"replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}},
     )
-    cluster.wait_for(lambda: lws(cluster) is None, what="the old LeaderWorkerSet removed", timeout=30)
+    cluster.wait_for(lambda: lws(cluster) is None, what="the old LeaderWorkerSet removed", timeout=120)
     moved = selector(cluster, "smollm-decode-pods")
     assert moved["pagoda.dev/formats"] != old and moved[WORKER_INDEX] == "0"
 

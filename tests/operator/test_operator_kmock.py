@@ -798,7 +798,7 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
         cluster.wait_for(lambda pool=pool: cluster.get(f"{DEPS}/smollm-{pool}-green"), what=f"green {pool}")
     set_ready_named(cluster, "smollm-prefill-green", 1)
     set_ready_named(cluster, "smollm-decode-green", 2)
-    cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="the old pair removed", timeout=30)
+    cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="the old pair removed", timeout=120)
     update_spec(cluster, {"decode": {"tensorParallel": 2, "nodesPerReplica": 2}})  # a LeaderWorkerSet
     lws = f"{LWS_PATH.format(ns=NS)}/smollm-decode-green"
     cluster.wait_for(lambda: cluster.get(lws), what="LeaderWorkerSet")
