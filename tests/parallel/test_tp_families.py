@@ -119,8 +119,8 @@ def test_builtin_model_two_ranks_equal_one_rank(make_engine, builtin_tokenizer, 
     tokens: float32 pages and fp8_e4m3 pages 8 of 8 identical; int8 pages (the default), whose steps
     near a token's largest values are finer than e4m3's, 6 of 8, separating at tokens 17 ("The quick
     brown fox") and 30. On a CPU without AVX-512 (AVX2 only), "List three uses of copper." separated
-    at token 7. A sharding fault breaks every prompt from its first tokens. So: every prompt's first
-    4 tokens, at least 6 of 8 prompts' first 16, and at least 4 of 8 whole."""
+    at token 7 (the 7 others identical over 32 tokens). A sharding fault breaks every prompt from its
+    first tokens. So: every prompt's first 4 tokens, and at least 6 of 8 over 16 tokens and whole."""
     monkeypatch.setenv("PAGODA_NATIVE_DECODE", "0")  # read here and by the ranks' fresh process
     monkeypatch.setenv("PAGODA_NATIVE_ATTENTION", "0")
     rendered = [
@@ -145,7 +145,7 @@ def test_builtin_model_two_ranks_equal_one_rank(make_engine, builtin_tokenizer, 
     pairs = list(zip(got, want, strict=True))
     print("TP2 vs TP1: first difference per prompt", [_first_difference(g, w) for g, w in pairs])
     assert sum(g["token_ids"][:16] == w["token_ids"][:16] for g, w in pairs) >= 6, (got, want)
-    assert sum(g == w for g, w in pairs) >= 4, (got, want)
+    assert sum(g == w for g, w in pairs) >= 6, (got, want)
 
 
 def _first_difference(got: dict, want: dict) -> int | None:
