@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagoda.vocabulary import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
+
 from .dispatch import record, select_backend
 from .fp8 import Fp8Weight, fp8_linear
 from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, quantize_int4
@@ -15,11 +17,9 @@ from .int8 import Int8Weight, int8_linear
 from .switches import switch_on
 
 FORMATS = ("bf16", "fp32", "fp8", "int4", "int8")
-INT4_COMPUTES = ("float32", "bf16")
-# How INT4 layers compute on a CPU with float32 activations (``--int4-compute``), defined once here:
-# "float32" runs the exact native kernel, "bf16" torch's faster int4pack op with bf16 rounding. The
-# engine's choice travels as an explicit argument (kernels/selector.py's KernelSelection).
-DEFAULT_INT4_COMPUTE = "float32"
+# INT4_COMPUTES and DEFAULT_INT4_COMPUTE (``--int4-compute``) live in the torch-free vocabulary: config
+# and the CLI read them on the router path too. The engine's choice travels as an explicit argument
+# (kernels/selector.py's KernelSelection).
 
 
 def check_int4_compute(mode: str) -> str:

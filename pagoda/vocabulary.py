@@ -32,3 +32,9 @@ KV_FORMAT_ALIASES = {"fp8": "fp8_e4m3"}
 def handoff_allowed(prefill_kv: str, decode_kv: str) -> bool:
     """True when prefill pages in ``prefill_kv`` may continue in a ``decode_kv`` decode pool."""
     return (prefill_kv, decode_kv) in HANDOFFS
+
+
+# CPU INT4 compute with float32 activations (``--int4-compute``): "float32" runs the exact native
+# kernel, "bf16" torch's faster int4pack op with bf16 rounding.
+INT4_COMPUTES = ("float32", "bf16")
+DEFAULT_INT4_COMPUTE = "float32"

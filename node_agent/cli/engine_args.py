@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
 from pagoda.node_agent.engine.config import (
     DECODE_LM_HEADS,
     KV_SCALE_GRANULARITIES,
@@ -13,7 +12,13 @@ from pagoda.node_agent.engine.config import (
     PhaseFormats,
     parse_bytes,
 )
-from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS
+from pagoda.vocabulary import (
+    DEFAULT_INT4_COMPUTE,
+    INT4_COMPUTES,
+    INTEGRITY_MODES,
+    KV_CACHE_FORMATS,
+    WEIGHT_FORMATS,
+)
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
 

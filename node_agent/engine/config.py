@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch loads only when a model does: `pagoda serve --role router` never needs it
     import torch
 
-from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
 from pagoda.vocabulary import (
+    DEFAULT_INT4_COMPUTE,
     ENGINE_ROLES,
+    INT4_COMPUTES,
     INTEGRITY_MODES,
     KV_CACHE_FORMATS,
     KV_FORMAT_ALIASES,
