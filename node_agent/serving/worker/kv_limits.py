@@ -42,7 +42,6 @@ HEADER_KEYS = frozenset(
 # layer, sent inside each PAGE frame after the values); absent or [] when every scale is static.
 # int8 pages must name every component.
 OPTIONAL_HEADER_KEYS = frozenset({"page_scales"})
-PAGE_SCALE_ELEM = TOKEN_SCALE_BYTES  # bfloat16
 MAX_ID_CHARS = 256  # ticket and request id
 HEADER_SLACK = 8192  # bytes of a header besides its token ids
 
@@ -103,7 +102,7 @@ class KVLimits:
         per-token scales of the ``page_scales`` components."""
         elem = kv_formats.wire_dtype(dtype).itemsize
         per = sum(math.prod(self.page_shape(c)) for c in self.components) * elem
-        per += sum(self.page_size * self.component_shapes[c][0] for c in page_scales) * PAGE_SCALE_ELEM
+        per += sum(self.page_size * self.component_shapes[c][0] for c in page_scales) * TOKEN_SCALE_BYTES
         return self.num_layers * per
 
     def page_scale_shape(self, c: str) -> list[int]:
