@@ -346,11 +346,12 @@ static inline float row_scale(const kv_part *p, int64_t slot, int64_t hkv, int64
     return s * HALF_BIAS;
 }
 
-/* One (sequence, KV head) pair, row by row through buffers: the path of CPUs without AVX-512 BW/VL
- * (and of empty sequences). Buffers: qs [g * dp], row [dp], acc [g * dp], scores [g * len]. */
+/* One (sequence, KV head) pair over its keys start..len-1 (start > 0: a sliding window), row by row
+ * through buffers: the path of CPUs without AVX-512 BW/VL (and of empty sequences). Buffers:
+ * qs [g * dp], row [dp], acc [g * dp], scores [g * (len - start)]. */
 static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const kv_part *kp, const kv_part *vp,
-                        int64_t page_size, int64_t hkv, const int32_t *table, int64_t len, float scale, int64_t b,
-                        int64_t h, float *out, float *buf) {
+                        int64_t page_size, int64_t hkv, const int32_t *table, int64_t start, int64_t len,
+                        float scale, int64_t b, int64_t h, float *out, float *buf) {
     const int64_t g = hq / hkv;
     float *qs = buf, *row = qs + g * dp, *acc = row + dp, *scores = acc + g * dp;
     float *o = out + (b * hq + h * g) * d;
@@ -358,26 +359,28 @@ static void decode_pair(const float *q, int64_t hq, int64_t d, int64_t dp, const
         memset(o, 0, (size_t)(g * d) * sizeof(float));
         return;
     }
+    table += start / page_size; /* key j sits at j + off of the shifted table */
+    const int64_t off = start % page_size, n = len - start;
     const elem_kind fk = mode_elem(kp->mode), fv = mode_elem(vp->mode);
     const size_t ek = fk == ELEM_F32 ? 4 : 1, ev = fv == ELEM_F32 ? 4 : 1;
     for (int64_t gi = 0; gi < g; gi++) {
         const float *qr = q + (b * hq + h * g + gi) * d;
         for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = i < d ? qr[i] * scale : 0.0f;
     }
-    /* scores[gi * len + j] = (q_gi . k_j) * scale * k_scale_j */
-    for (int64_t j = 0; j < len; j++) {
-        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+    /* scores[gi * n + j] = (q_gi . k_j) * scale * k_scale_j */
+    for (int64_t j = 0; j < n; j++) {
+        int64_t slot = (int64_t)table[(j + off) / page_size] * page_size + (j + off) % page_size;
         load_row((const char *)kp->cache + ((slot * hkv + h) * d) * ek, fk, d, dp, row);
         float ks = row_scale(kp, slot, hkv, h);
-        for (int64_t gi = 0; gi < g; gi++) scores[gi * len + j] = dot(qs + gi * dp, row, dp) * ks;
+        for (int64_t gi = 0; gi < g; gi++) scores[gi * n + j] = dot(qs + gi * dp, row, dp) * ks;
     }
-    for (int64_t gi = 0; gi < g; gi++) softmax(scores + gi * len, len);
+    for (int64_t gi = 0; gi < g; gi++) softmax(scores + gi * n, n);
     memset(acc, 0, (size_t)(g * dp) * sizeof(float));
-    for (int64_t j = 0; j < len; j++) {
-        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t slot = (int64_t)table[(j + off) / page_size] * page_size + (j + off) % page_size;
         load_row((const char *)vp->cache + ((slot * hkv + h) * d) * ev, fv, d, dp, row);
         float vs = row_scale(vp, slot, hkv, h);
-        for (int64_t gi = 0; gi < g; gi++) axpy(scores[gi * len + j] * vs, row, acc + gi * dp, dp);
+        for (int64_t gi = 0; gi < g; gi++) axpy(scores[gi * n + j] * vs, row, acc + gi * dp, dp);
     }
     for (int64_t gi = 0; gi < g; gi++) memcpy(o + gi * d, acc + gi * dp, (size_t)d * sizeof(float));
 }
@@ -417,11 +420,15 @@ static inline __m512 hsum16(const __m512 *v) {
 
 /* One (sequence, KV head) pair with AVX-512: query heads in blocks of 4, K rows decoded chunk by chunk
  * straight into registers and scored 16 tokens at a time (one transposing reduction per 16), then V
- * accumulated in registers 4 heads x 64 dims at a time. Buffers: qs [gp * dp], scores [gp * lp],
- * ksc, vsc [lp], rows [lp] (gp = g rounded up to 4, lp = len rounded up to 16). */
+ * accumulated in registers 4 heads x 64 dims at a time; keys start..len-1 as decode_pair. Buffers:
+ * qs [gp * dp], scores [gp * lp], ksc, vsc [lp], rows [lp] (gp = g rounded up to 4, lp = len - start
+ * rounded up to 16). */
 static void decode_pair_fast(const float *q, int64_t hq, int64_t d, int64_t dp, const kv_part *kp,
-                             const kv_part *vp, int64_t page_size, int64_t hkv, const int32_t *table, int64_t len,
-                             float scale, int64_t b, int64_t h, float *out, float *buf) {
+                             const kv_part *vp, int64_t page_size, int64_t hkv, const int32_t *table,
+                             int64_t start, int64_t len, float scale, int64_t b, int64_t h, float *out, float *buf) {
+    table += start / page_size;
+    const int64_t off = start % page_size;
+    len -= start; /* from here on: the n = len - start keys of the window, key j at j + off */
     const int64_t g = hq / hkv, gp = (g + 3) / 4 * 4, lp = (len + 15) / 16 * 16, nc = dp / 16;
     float *qs = buf, *scores = qs + gp * dp, *ksc = scores + gp * lp, *vsc = ksc + lp;
     int64_t *rows = (int64_t *)(vsc + lp);
@@ -432,7 +439,7 @@ static void decode_pair_fast(const float *q, int64_t hq, int64_t d, int64_t dp, 
         for (int64_t i = 0; i < dp; i++) qs[gi * dp + i] = gi < g && i < d ? qr[i] * scale : 0.0f;
     }
     for (int64_t j = 0; j < len; j++) {
-        int64_t slot = (int64_t)table[j / page_size] * page_size + j % page_size;
+        int64_t slot = (int64_t)table[(j + off) / page_size] * page_size + (j + off) % page_size;
         rows[j] = (slot * hkv + h) * d;
         ksc[j] = row_scale(kp, slot, hkv, h);
         vsc[j] = row_scale(vp, slot, hkv, h);
@@ -500,23 +507,32 @@ static void decode_pair_fast(const float *q, int64_t hq, int64_t d, int64_t dp, 
 }
 #endif
 
+/* The first key a decode query at position len - 1 sees: len - window with a sliding window
+ * (window > 0), else 0. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* out [B, Hq, D] float32 = decode attention of q [B, Hq, D] over the pages of each sequence.
- * tables [B, cols] int32, lens [B] int32. Before reading any page, checks every length (0 <= len <=
- * cols * page_size) and every page id the lengths use (0 <= id < num_pages): returns -(b + 1) for
- * the first sequence b that fails (nothing computed), -(B + 1) when scratch memory runs out, else 0. */
+ * tables [B, cols] int32, lens [B] int32; window > 0: each query sees only its last `window` keys
+ * (the pages before them are never read, nor their ids checked). Before reading any page, checks
+ * every length (0 <= len <= cols * page_size) and every page id it reads (0 <= id < num_pages):
+ * returns -(b + 1) for the first sequence b that fails (nothing computed), -(B + 1) when scratch
+ * memory runs out, else 0. */
 int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, const void *k_cache, int k_mode,
                         const void *k_scale, const void *v_cache, int v_mode, const void *v_scale,
                         int64_t num_pages, int64_t page_size, int64_t hkv, const int32_t *tables, int64_t cols,
-                        const int32_t *lens, float scale, float *out, int threads) {
+                        const int32_t *lens, int64_t window, float scale, float *out, int threads) {
     int64_t max_len = 0;
     for (int64_t b = 0; b < bsz; b++) {
         int64_t len = lens[b];
         if (len < 0 || len > cols * page_size) return (int)-(b + 1);
-        for (int64_t p = 0; p < (len + page_size - 1) / page_size; p++) {
+        int64_t start = window_start(len, window);
+        for (int64_t p = start / page_size; p < (len + page_size - 1) / page_size; p++) {
             int32_t id = tables[b * cols + p];
             if (id < 0 || id >= num_pages) return (int)-(b + 1);
         }
-        max_len = len > max_len ? len : max_len;
+        max_len = len - start > max_len ? len - start : max_len;
     }
     const kv_part kp = {k_cache, k_mode, k_scale}, vp = {v_cache, v_mode, v_scale};
     const int64_t g = hq / hkv, dp = (d + 15) / 16 * 16, pairs = bsz * hkv;
@@ -536,15 +552,16 @@ int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, cons
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < pairs; i++) {
             if (buf == NULL) continue;
-            int64_t b = i / hkv, h = i % hkv;
+            int64_t b = i / hkv, h = i % hkv, start = window_start(lens[b], window);
 #ifdef FAST_DECODE
             if (lens[b] > 0) {
-                decode_pair_fast(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, lens[b], scale, b, h, out,
-                                 buf);
+                decode_pair_fast(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, start, lens[b], scale, b,
+                                 h, out, buf);
                 continue;
             }
 #endif
-            decode_pair(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, lens[b], scale, b, h, out, buf);
+            decode_pair(q, hq, d, dp, &kp, &vp, page_size, hkv, tables + b * cols, start, lens[b], scale, b, h, out,
+                        buf);
         }
         free(buf);
     }

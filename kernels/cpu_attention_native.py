@@ -39,7 +39,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.pagoda_write_kv.argtypes = [i64, ptr, i64, *([ptr, i64, i64, i64, ptr, i32, ptr] * 2)]
     lib.pagoda_paged_decode.restype = i32
     lib.pagoda_paged_decode.argtypes = [
-        ptr, i64, i64, i64, ptr, i32, ptr, ptr, i32, ptr, i64, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr, i32,
+        ptr, i64, i64, i64, ptr, i32, ptr, ptr, i32, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_float, ptr, i32,
     ]  # fmt: skip
     lib.pagoda_f32_to_e4m3.restype = None
     lib.pagoda_f32_to_e4m3.argtypes = [ptr, i64, ptr, i32]
@@ -135,10 +135,12 @@ def native_paged_decode(
     scale: float,
     k_scale: Tensor | None,
     v_scale: Tensor | None,
+    window: int | None = None,
 ) -> Tensor | None:
     """``paged_decode_attention`` in one native call (``[B, Hq, D]`` in ``q.dtype``), or None when
-    this path does not serve the inputs. Raises ValueError when a sequence's length exceeds its
-    block table or a page it uses lies outside the pool."""
+    this path does not serve the inputs. ``window``: each query sees only its last ``window`` keys
+    (pages before them are not read). Raises ValueError when a sequence's length exceeds its block
+    table or a page it reads lies outside the pool."""
     if not enabled():
         return None
     km, vm = _mode(k_cache, k_scale), _mode(v_cache, v_scale)
@@ -166,7 +168,7 @@ def native_paged_decode(
     out = torch.empty(bsz, hq, d, dtype=torch.float32)
     rc = lib.pagoda_paged_decode(
         qf.data_ptr(), bsz, hq, d, k_cache.data_ptr(), km, _ptr(ks), v_cache.data_ptr(), vm, _ptr(vs),
-        num_pages, page_size, hkv, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
+        num_pages, page_size, hkv, tables.data_ptr(), tables.shape[1], lens.data_ptr(), window or 0, scale,
         out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc == -(bsz + 1):
@@ -174,7 +176,8 @@ def native_paged_decode(
     if rc < 0:
         b = -rc - 1
         length, cols = int(lens[b]), tables.shape[1]
-        used = tables[b, : math.ceil(max(length, 0) / page_size)].tolist()
+        first = max(0, length - window) // page_size if window else 0
+        used = tables[b, first : math.ceil(max(length, 0) / page_size)].tolist()
         raise ValueError(
             f"sequence {b}: context length {length} with a block table of {cols} pages of "
             f"{page_size} (page ids {used[:8]}{'...' if len(used) > 8 else ''}) reads outside "

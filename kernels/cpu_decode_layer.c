@@ -29,7 +29,7 @@ int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const fl
 int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, const void *k_cache, int k_mode,
                         const void *k_scale, const void *v_cache, int v_mode, const void *v_scale,
                         int64_t num_pages, int64_t page_size, int64_t hkv, const int32_t *tables, int64_t cols,
-                        const int32_t *lens, float scale, float *out, int threads);
+                        const int32_t *lens, int64_t window, float scale, float *out, int threads);
 
 typedef struct {
     const uint8_t *packed; /* [n, k / 2], or the 16-row layout of cpu_int4_vnni.c when interleaved */
@@ -47,6 +47,7 @@ typedef struct {
     int64_t k_mode, v_mode;
     const float *qkv_bias;       /* [(hq + 2 hkv) d] or NULL (Qwen2) */
     const float *q_norm, *k_norm; /* [d] each or NULL (Qwen3: RMSNorm of every q and k head) */
+    int64_t window;               /* sliding window (keys per query), 0: none */
 } pagoda_layer;
 
 typedef struct {
@@ -155,8 +156,8 @@ int pagoda_decode_layer(const pagoda_layer *L, const pagoda_step *S, float *x) {
                          qkv + (hq + hkv) * d, nqkv, hkv, d, L->v_cache, (int)L->v_mode, L->v_scale);
     if (rc) return 20;
     rc = pagoda_paged_decode(q, t, hq, d, L->k_cache, (int)L->k_mode, L->k_scale, L->v_cache, (int)L->v_mode,
-                             L->v_scale, S->num_pages, S->page_size, hkv, S->tables, S->cols, S->lens, S->scale,
-                             attn, threads);
+                             L->v_scale, S->num_pages, S->page_size, hkv, S->tables, S->cols, S->lens, L->window,
+                             S->scale, attn, threads);
     if (rc) return 30;
     if ((rc = gemm(&L->o, attn, t, delta, threads))) return 40 + rc;
     for (int64_t i = 0; i < t * hid; i++) x[i] = x[i] + delta[i];

@@ -35,7 +35,7 @@ class _Layer(ctypes.Structure):
         ("qkv", _I4), ("o", _I4), ("gate_up", _I4), ("down", _I4),
         ("k_cache", _ptr), ("k_scale", _ptr), ("v_cache", _ptr), ("v_scale", _ptr),
         ("k_mode", _i64), ("v_mode", _i64),
-        ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+        ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("window", _i64),
     ]  # fmt: skip
 
 
@@ -100,7 +100,9 @@ class DecodeLayerSpec:
         down: Int4Weight,
         qkv_bias: Tensor | None = None,
         qk_norms: tuple[Tensor, Tensor] | None = None,
+        window: int | None = None,
     ) -> DecodeLayerSpec:
+        """The layer's C struct; ``window``: its sliding window (None: every earlier key)."""
         hidden, inter = o.out_features, down.in_features
         shapes = {
             "qkv": (qkv.out_features, qkv.in_features, (hq + 2 * hkv) * d, hidden),
@@ -116,6 +118,7 @@ class DecodeLayerSpec:
             hidden, hq, hkv, d, inter, eps, norms[0].data_ptr(), norms[1].data_ptr(),
             _i4(qkv), _i4(o), _i4(gate_up), _i4(down),
         )  # fmt: skip
+        c.window = window or 0
         extra: list[Tensor] = []
         if qkv_bias is not None:
             bias = qkv_bias.float().contiguous()

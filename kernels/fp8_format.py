@@ -73,3 +73,17 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 def raw_bytes(t: Tensor) -> Tensor:
     """A view that supports every indexing op (fp8 lacks some on CPU)."""
     return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def quantize_token_groups(x: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Dynamic activations per token and per ``group`` columns: ``x [M, K]`` -> (e4m3 ``[M, K]``,
+    float32 scales ``[M, ceil(K / group)]``), each group's amax mapped to 448 (DeepSeek-V3's act
+    quantization; the last group may be partial)."""
+    m, k = x.shape
+    kb = -(-k // group)
+    padded = torch.zeros(m, kb * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    g = padded.reshape(m, kb, group)
+    scale = (g.abs().amax(dim=2) / FP8_MAX).clamp_(min=SCALE_FLOOR)
+    q = (g / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(m, kb * group)[:, :k].contiguous(), scale

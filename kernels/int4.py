@@ -394,28 +394,29 @@ def int4_linear(x: Tensor, qw: Int4Weight, bias: Tensor | None = None, backend: 
         qw._need_canonical()
         out = int4_gemm(x2, qw.packed, qw.scales, qw.zeros, qw.group_size, bias, mins=qw.mins)
     elif be == "cpu":
-        out = None
-        nibbles = qw.native_nibbles() if qw.cpu_compute == "float32" and x2.dtype == torch.float32 else None
-        if nibbles is not None:
-            from .cpu_int4_native import native_int4_mm
-
-            params = qw.native_params()
-            if params is not None:
-                out = native_int4_mm(
-                    x2,
-                    nibbles[0],
-                    params[0],
-                    params[1],
-                    qw.group_size,
-                    mode=params[2],
-                    interleaved=nibbles[1],
-                )
-        if out is None:  # bf16 compute asked for, or the native kernel is unavailable (logged once)
-            out = cpu_int4_mm(x2, qw)
+        out = cpu_int4_matmul(x2, qw)
         out = out.to(x.dtype) if bias is None else (out.float() + bias.float()).to(x.dtype)
     else:
         out = F.linear(x2.float(), dequantize_int4(qw), None if bias is None else bias.float()).to(x.dtype)
     return out.reshape(*lead, n)
+
+
+def cpu_int4_matmul(x2: Tensor, qw: Int4Weight) -> Tensor:
+    """``x2 [M, K] @ dequant(qw).T`` on the CPU as ``qw.cpu_compute`` says: the exact native kernel
+    for float32 activations of a "float32" weight (float32 out), else torch's int4pack op in bf16
+    (also when the native kernel is unavailable, logged once)."""
+    nibbles = qw.native_nibbles() if qw.cpu_compute == "float32" and x2.dtype == torch.float32 else None
+    if nibbles is not None:
+        from .cpu_int4_native import native_int4_mm
+
+        params = qw.native_params()
+        if params is not None:
+            out = native_int4_mm(
+                x2, nibbles[0], params[0], params[1], qw.group_size, mode=params[2], interleaved=nibbles[1]
+            )
+            if out is not None:
+                return out
+    return cpu_int4_mm(x2, qw)
 
 
 def cpu_int4_mm(x: Tensor, qw: Int4Weight, dtype: torch.dtype = CPU_COMPUTE_DTYPE) -> Tensor:

@@ -12,6 +12,7 @@ from pagoda.vocabulary import DEFAULT_INT4_COMPUTE, INT4_COMPUTES
 
 from .dispatch import record, select_backend
 from .fp8 import Fp8Weight, fp8_linear
+from .fp8_block import Fp8BlockWeight, fp8_block_linear
 from .int4 import CPU_COMPUTE_DTYPE, Int4Weight, int4_linear, pick_group_size, quantize_int4
 from .int8 import Int8Weight, int8_linear
 from .switches import switch_on
@@ -99,6 +100,17 @@ class Fp8Linear:
         return fp8_linear(x, self.weight.weight, self.weight.scale, self.bias, self.backend)
 
 
+class Fp8BlockLinear(Fp8Linear):
+    """FP8 e4m3 weight with its checkpoint's block scales (DeepSeek-V3's ``weight_scale_inv``),
+    computed as stored: the ``fp8`` phase format of a layer a checkpoint holds in FP8 blocks."""
+
+    fmt = "fp8_block"
+    weight: Fp8BlockWeight
+
+    def apply(self, x: Tensor) -> Tensor:
+        return fp8_block_linear(x, self.weight, self.bias, self.backend)
+
+
 class Int4Linear:
     """Group-wise INT4 weight. ``int4_compute`` (``INT4_COMPUTES``): how a CPU weight computes with
     float32 activations; "float32" needs the native kernel and becomes "bf16" without it (the
@@ -161,7 +173,7 @@ class Int8Linear:
 
 
 def make_linear_weight(
-    w: Tensor | Int4Weight | Fp8Weight,
+    w: Tensor | Int4Weight | Fp8Weight | Fp8BlockWeight,
     fmt: str,
     dtype: torch.dtype,
     bias: Tensor | None = None,
@@ -173,12 +185,15 @@ def make_linear_weight(
     ``int4_compute`` how an INT4 weight computes on a CPU (``Int4Linear``).
 
     ``w`` may be a prequantized Int4Weight / Fp8Weight: used as is for its own format, dequantized
-    for any other."""
+    for any other. A block-scaled Fp8BlockWeight serves ``fp8`` as stored (its block scales) and
+    dequantizes exactly for the others (float32 for ``bf16`` under a float32 compute dtype)."""
     if isinstance(w, Int4Weight) and fmt == "int4":
         return Int4Linear(w, dtype, bias, backend, int4_compute)
     if isinstance(w, Fp8Weight) and fmt == "fp8":
         return Fp8Linear(w, bias, backend)
-    if isinstance(w, Int4Weight | Fp8Weight):
+    if isinstance(w, Fp8BlockWeight) and fmt == "fp8":
+        return Fp8BlockLinear(w, bias, backend)
+    if isinstance(w, Int4Weight | Fp8Weight | Fp8BlockWeight):
         w = w.dequantize()
     if fmt == "bf16":
         return DenseLinear(w, dtype, bias, fmt)

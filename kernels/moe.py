@@ -10,9 +10,14 @@ received rows runs one GEMM over them (no per-token loop). Formats of an :class:
   * ``dense`` - ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` in the compute dtype (bf16 or float32);
   * ``int4``  - kernels.int4's canonical group-wise layout with a leading expert axis: packed uint8
     ``[E, N, K//2]``, float32 scales ``[E, N, K//g]``, uint8 zeros ``[E, N, K//g]`` or None
-    (symmetric); one group size g for both projections (it divides H and I);
+    (symmetric); one group size g for both projections (it divides H and I). On a CPU each expert
+    computes as ``cpu_compute`` says (``--int4-compute``): "float32", the exact native kernel of the
+    dense INT4 layer over the rows routed to it (float32 activations); "bf16", torch's int4pack op;
   * ``fp8``   - float8_e4m3fn ``[E, N, K]`` with per-output-channel float32 scales ``[E, N]``
-    (kernels.fp8's scheme, one scale per row of every expert).
+    (kernels.fp8's scheme, one scale per row of every expert);
+  * ``fp8_block`` - float8_e4m3fn ``[E, N, K]`` with a checkpoint's block scales per expert
+    (kernels.fp8_block's scheme: scales ``[E, R, ceil(K/bk)]`` and each row's scale row
+    ``[E, N]``), computed as stored; only built from a block-scaled checkpoint.
 """
 
 from __future__ import annotations
@@ -26,18 +31,19 @@ from torch import Tensor
 
 from .dispatch import record, select_backend
 from .fp8 import _fp8_linear_dequant_rows, fp8_linear_scaled_mm
+from .fp8_block import Fp8BlockWeight, fp8_block_linear
 from .fp8_format import FP8_DTYPE, dequantize_fp8, quantize_fp8_weight
 from .int4 import (
     CPU_COMPUTE_DTYPE,
     SUPPORTED_GROUPS,
     Int4Weight,
-    cpu_int4_mm,
+    cpu_int4_matmul,
     dequantize_int4,
     pick_group_size,
     quantize_int4,
 )
 
-FORMATS = ("dense", "int4", "fp8")
+FORMATS = ("dense", "int4", "fp8", "fp8_block")
 
 
 @dataclass(eq=False)
@@ -48,7 +54,7 @@ class ExpertStack:
     FP8 scales are per output channel: ``gate_up_scales [E, 2I]``, ``down_scales [E, H]`` float32.
     """
 
-    fmt: str  # "dense" | "int4" | "fp8"
+    fmt: str  # "dense" | "int4" | "fp8" | "fp8_block"
     num_experts: int
     hidden: int  # H
     intermediate: int  # I (per expert)
@@ -60,10 +66,15 @@ class ExpertStack:
     down_scales: Tensor | None = None
     down_zeros: Tensor | None = None
     group_size: int = 0
+    block: tuple[int, int] = (0, 0)  # fp8_block: the checkpoint's (rows, columns) per scale
+    gate_up_rows: Tensor | None = None  # fp8_block: int32 [E, 2I], each row's scale row
+    down_rows: Tensor | None = None  # fp8_block: int32 [E, H]
     # Per-expert views built lazily by the CPU path (int4: Int4Weight with its int4pack layout).
     _cpu: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
     # False once prepare("cpu", keep_canonical=False) dropped the stacked tensors.
     canonical: bool = field(default=True, init=False)
+    # how INT4 experts compute on a CPU with float32 activations (see prepare): "float32" | "bf16"
+    cpu_compute: str = field(default="bf16", init=False)
     _symmetric: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +102,18 @@ class ExpertStack:
                 raise ValueError(f"fp8 experts must be {FP8_DTYPE}")
             _check_shape("gate_up_scales", self.gate_up_scales, (e, 2 * i))
             _check_shape("down_scales", self.down_scales, (e, h))
+        elif self.fmt == "fp8_block":
+            if self.gate_up.dtype != FP8_DTYPE or self.down.dtype != FP8_DTYPE:
+                raise ValueError(f"fp8_block experts must be {FP8_DTYPE}")
+            bk = self.block[1]
+            _check_shape("gate_up_rows", self.gate_up_rows, (e, 2 * i))
+            _check_shape("down_rows", self.down_rows, (e, h))
+            for name, t, k in (
+                ("gate_up_scales", self.gate_up_scales, h),
+                ("down_scales", self.down_scales, i),
+            ):
+                if t is None or t.dim() != 3 or t.shape[0] != e or t.shape[2] != -(-k // bk):
+                    raise ValueError(f"{name} must be [E={e}, R, {-(-k // bk)}] block scales")
         elif not self.gate_up.is_floating_point() or self.gate_up.dtype != self.down.dtype:
             raise ValueError("dense experts must share one floating-point dtype")
         self._symmetric = self.gate_up_zeros is None
@@ -103,7 +126,7 @@ class ExpertStack:
     def tensors(self) -> list[Tensor]:
         """Every canonical tensor held (None fields left out)."""
         ts = (self.gate_up, self.down, self.gate_up_scales, self.gate_up_zeros, self.down_scales)
-        return [t for t in (*ts, self.down_zeros) if t is not None]
+        return [t for t in (*ts, self.down_zeros, self.gate_up_rows, self.down_rows) if t is not None]
 
     def nbytes(self) -> int:
         """Bytes of every tensor held, including layouts cached by the CPU path."""
@@ -116,22 +139,37 @@ class ExpertStack:
                 )
         return total
 
-    def prepare(self, backend: str, keep_canonical: bool = True) -> None:
+    def prepare(self, backend: str, keep_canonical: bool = True, compute: str = "bf16") -> None:
         """Build every expert's layout for ``backend`` now instead of on first use.
 
-        Only INT4 on a CPU has one (torch's int4pack per expert, bf16 scales). With
-        ``keep_canonical=False`` the stacked INT4 tensors are dropped so only those layouts stay
+        Only INT4 on a CPU has one. ``compute`` "bf16": torch's int4pack per expert (bf16 scales);
+        with ``keep_canonical=False`` the stacked INT4 tensors are dropped so only those layouts stay
         resident (as the dense INT4 linear layer does); the stack then runs the ``cpu`` path for a
         ``triton`` request, and the reference dequantizes from the layouts (scales rounded to bf16).
+        ``compute`` "float32" (where the native kernels run, else "bf16"): each expert holds its
+        nibbles, scales and zeros in the native float32 kernel's layout (exact, as a float32-compute
+        INT4 linear), and the stacks are dropped whatever ``keep_canonical`` says (those are the
+        canonical values, recoverable per expert without loss).
         """
         if backend != "cpu" or self.fmt != "int4" or not self.canonical:
             return
         if self.gate_up.device.type != "cpu" or self.group_size not in SUPPORTED_GROUPS:
             return
+        if compute == "float32" and not _native_available():
+            compute = "bf16"
+        self.cpu_compute = compute
         for proj in ("gate_up", "down"):
             for e in range(self.num_experts):
-                self.int4_weight(proj, e).prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=keep_canonical)
-        if not keep_canonical:
+                w = self.int4_weight(proj, e)
+                if compute == "float32":
+                    w.cpu_compute = "float32"
+                    # its own storage (the stacks are dropped below)
+                    w.packed, w.scales = w.packed.clone(), w.scales.clone()
+                    w.zeros = None if w.zeros is None else w.zeros.clone()
+                    w.prepare("cpu")
+                else:
+                    w.prepare("cpu", CPU_COMPUTE_DTYPE, keep_canonical=keep_canonical)
+        if not keep_canonical or compute == "float32":
             self.gate_up = self.down = None  # type: ignore[assignment]
             self.gate_up_scales = self.gate_up_zeros = self.down_scales = self.down_zeros = None
             self.canonical = False
@@ -143,9 +181,22 @@ class ExpertStack:
         if self.fmt == "fp8":
             gu = dequantize_fp8(self.gate_up[expert], self.gate_up_scales[expert][:, None])
             return gu, dequantize_fp8(self.down[expert], self.down_scales[expert][:, None])
+        if self.fmt == "fp8_block":
+            return self.block_weight("gate_up", expert).dequantize(), self.block_weight(
+                "down", expert
+            ).dequantize()
         return dequantize_int4(self.int4_weight("gate_up", expert)), dequantize_int4(
             self.int4_weight("down", expert)
         )
+
+    def block_weight(self, proj: str, expert: int) -> Fp8BlockWeight:
+        """An :class:`Fp8BlockWeight` viewing one expert's projection (fp8_block stacks)."""
+        if proj == "gate_up":
+            t = (self.gate_up, self.gate_up_scales, self.gate_up_rows)
+        else:
+            t = (self.down, self.down_scales, self.down_rows)
+        w, s, rows = (a[expert] for a in t)
+        return Fp8BlockWeight(w, s, self.block, rows)
 
     def int4_weight(self, proj: str, expert: int) -> Int4Weight:
         """An :class:`Int4Weight` viewing one expert's projection (cached: it carries the CPU layout)."""
@@ -164,6 +215,12 @@ class ExpertStack:
             w = Int4Weight(n, k, self.group_size, zeros is None, packed, scales, zeros)
             self._cpu[key] = w
         return w  # type: ignore[return-value]
+
+
+def _native_available() -> bool:
+    from .cpu_int4_native import library
+
+    return library() is not None
 
 
 def _check_shape(name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
@@ -191,6 +248,8 @@ def make_expert_stack(
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if fmt == "fp8_block":
+        raise ValueError("fp8_block experts are read from a block-scaled checkpoint, not quantized here")
     if gate.dim() != 3 or up.shape != gate.shape:
         raise ValueError(f"gate and up must both be [E, I, H], got {tuple(gate.shape)}, {tuple(up.shape)}")
     e, i, h = gate.shape
@@ -302,10 +361,16 @@ def _expert_mm(x: Tensor, experts: ExpertStack, proj: str, e: int) -> Tensor:
         if x.device.type == "cpu":
             return _fp8_linear_dequant_rows(xf, w, s, None)
         return fp8_linear_scaled_mm(xf, w, s)
+    if experts.fmt == "fp8_block":  # the tiled float32 path on a CPU, the Triton kernel on CUDA
+        return fp8_block_linear(x.float(), experts.block_weight(proj, e), None, _block_backend(x))
     qw = experts.int4_weight(proj, e)
     if x.device.type == "cpu" and qw.group_size in SUPPORTED_GROUPS:
-        return cpu_int4_mm(x, qw).float()
+        return cpu_int4_matmul(x, qw).float()
     return x.float() @ dequantize_int4(qw).T
+
+
+def _block_backend(x: Tensor) -> str:
+    return "cpu" if x.device.type == "cpu" else "triton"
 
 
 def _moe_cpu(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, experts: ExpertStack) -> Tensor:

@@ -14,6 +14,12 @@ apart by its rank:
 A slot is ``page * page_size + offset``; negative slots in ``write_kv`` are skipped (padding).
 A sequence with ``context_len == 0`` produces zeros.
 
+Sliding windows (``window``, Mistral / Qwen2 style): a query at position p sees the keys at
+positions p - window < j <= p, itself included, as transformers' sliding-window mask. The fast
+paths read only the pages that hold such keys; pages wholly before every query's window are never
+read, so their block-table entries are not looked at (the native and Triton kernels check only the
+page ids they read).
+
 The "cpu" backend runs ``write_kv`` and ``paged_decode_attention`` on float32, FP8 and int8 pages as one
 native call each (``cpu_attention_native``; ``PAGODA_NATIVE_ATTENTION=0`` turns that off) and falls
 back to the vectorized torch code here for other pools or when the native library is unavailable.
@@ -27,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .attention_window import check_window, window_tables
 from .cpu_attention_native import native_paged_decode, native_write_kv
 from .dispatch import resolve
 from .fp8_format import (
@@ -162,29 +169,31 @@ def paged_decode_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     backend: str | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """One query token per sequence: ``q [B, Hq, D]`` -> ``[B, Hq, D]`` in ``q.dtype``.
 
-    Query head h reads KV head ``h // (Hq // Hkv)``; softmax in float32.
+    Query head h reads KV head ``h // (Hq // Hkv)``; softmax in float32. With a ``window`` the
+    query (the sequence's last token) sees only its last ``window`` keys.
     """
     _check_cache(k_cache, k_scale, "k_cache")
     _check_cache(v_cache, v_scale, "v_cache")
     hq, hkv = q.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of KV heads {hkv}")
+    window = check_window(window)
     be = resolve("paged_decode_attention", q.device, backend)
+    args = (q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     if be == "triton":
         from .triton_attention import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
-        )
+        return paged_decode_attention_triton(*args, window=window)
     if be == "cpu":
-        out = native_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        out = native_paged_decode(*args, window)
         if out is not None:
             return out
-        return _decode_vectorized(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    return _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        return _decode_vectorized(*args, window)
+    return _decode_reference(*args, window)
 
 
 def _gather_seq(cache: Tensor, pages: Tensor, length: int, scale: Tensor | None) -> Tensor:
@@ -196,19 +205,26 @@ def _gather_seq(cache: Tensor, pages: Tensor, length: int, scale: Tensor | None)
     return _decode(x, scale)
 
 
-def _attend_reference(q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int | None) -> Tensor:
-    """q [Tq, Hq, D] float32 over k/v [L, Hkv, D]; row i sees keys j <= causal_offset + i."""
+def _attend_reference(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal_offset: int | None, window: int | None = None
+) -> Tensor:
+    """q [Tq, Hq, D] float32 over k/v [L, Hkv, D]; row i sees keys j <= causal_offset + i (and,
+    with a ``window``, j > causal_offset + i - window)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if causal_offset is not None:
         pos = torch.arange(q.shape[0])[:, None] + causal_offset
-        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos, float("-inf"))
+        keys = torch.arange(k.shape[0])[None, :]
+        hidden = keys > pos if window is None else (keys > pos) | (keys <= pos - window)
+        scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale) -> Tensor:
+def _decode_reference(
+    q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, window=None
+) -> Tensor:
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     page_size = k_cache.shape[1]
     for b in range(q.shape[0]):
@@ -216,8 +232,9 @@ def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_
         if length == 0:
             continue
         pages = block_tables[b, : math.ceil(length / page_size)]
-        k = _gather_seq(k_cache, pages, length, k_scale)
-        v = _gather_seq(v_cache, pages, length, v_scale)
+        start = 0 if window is None else max(0, length - window)  # the query sits at length - 1
+        k = _gather_seq(k_cache, pages, length, k_scale)[start:]
+        v = _gather_seq(v_cache, pages, length, v_scale)[start:]
         out[b] = _attend_reference(q[b : b + 1].float(), k, v, scale, None)[0]
     return out.to(q.dtype)
 
@@ -227,9 +244,12 @@ def _decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale, k_
 _CHUNK_BYTES = 1 << 20
 
 
-def _decode_vectorized(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale) -> Tensor:
+def _decode_vectorized(
+    q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, window=None
+) -> Tensor:
     bsz, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
+    block_tables, context_lens, _ = window_tables(block_tables, context_lens, window, page_size)
     lens = context_lens.to(q.device).long()
     max_len = int(lens.max()) if bsz else 0
     if max_len == 0:
@@ -241,12 +261,13 @@ def _decode_vectorized(q, k_cache, v_cache, block_tables, context_lens, scale, k
     for b0 in range(0, bsz, chunk):
         b1 = min(bsz, b0 + chunk)
         out[b0:b1] = _decode_chunk(
-            q[b0:b1], k_cache, v_cache, block_tables[b0:b1, :n_pages], lens[b0:b1], scale, k_scale, v_scale
-        )
+            q[b0:b1], k_cache, v_cache, block_tables[b0:b1, :n_pages], lens[b0:b1], scale, k_scale, v_scale,
+            window,
+        )  # fmt: skip
     return out
 
 
-def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) -> Tensor:
+def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale, window) -> Tensor:
     """Vectorized decode for a few sequences: gather pages, masked fp32 softmax."""
     bsz, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
@@ -273,7 +294,10 @@ def _decode_chunk(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale) ->
     scores = torch.matmul(qf, gather(k_cache).transpose(-1, -2))  # [B, Hkv, G, span]
     if k_tok:
         scores.mul_(token_rows(k_scale))
-    valid = torch.arange(span, device=q.device)[None, :] < lens[:, None]
+    keys = torch.arange(span, device=q.device)[None, :]
+    valid = keys < lens[:, None]
+    if window is not None:  # (the tables start at the window's first page: window_tables)
+        valid &= keys >= lens[:, None] - window
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).nan_to_num_(0.0)  # empty sequences -> zeros
     if v_tok:
@@ -298,22 +322,25 @@ def paged_prefill_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     backend: str | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Ragged causal attention over the paged cache: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
 
     Query i of sequence b sits at position ``context_lens[b] - q_len_b + i`` and sees keys at
-    positions <= its own (chunked prefill and cached prefixes). Its K/V are already written.
+    positions <= its own (chunked prefill and cached prefixes), and with a ``window`` only the last
+    ``window`` of them. Its K/V are already written.
     """
     _check_cache(k_cache, k_scale, "k_cache")
     _check_cache(v_cache, v_scale, "v_cache")
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k_cache.shape[2]}")
+    window = check_window(window)
     be = resolve("paged_prefill_attention", q.device, backend)
     if be == "triton":
         from .triton_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
-            q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, k_scale, v_scale
+            q, k_cache, v_cache, block_tables, cu_q_lens, context_lens, scale, k_scale, v_scale, window=window
         )
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     page_size = k_cache.shape[1]
@@ -326,25 +353,32 @@ def paged_prefill_attention(
             continue
         if q_len > length:
             raise ValueError(f"sequence {b}: {q_len} queries but only {length} tokens in the cache")
-        pages = block_tables[b, : math.ceil(length / page_size)]
-        k = _gather_seq(k_cache, pages, length, k_scale)
-        v = _gather_seq(v_cache, pages, length, v_scale)
+        # the reference reads every key; the torch path starts at the first query's window
+        first = 0 if window is None or be == "reference" else max(0, length - q_len - window + 1) // page_size
+        pages = block_tables[b, first : math.ceil(length / page_size)]
+        n_keys = length - first * page_size
+        k = _gather_seq(k_cache, pages, n_keys, k_scale)
+        v = _gather_seq(v_cache, pages, n_keys, v_scale)
         qb = q[start:end].float()
         if be == "reference":
-            out[start:end] = _attend_reference(qb, k, v, scale, length - q_len)
+            out[start:end] = _attend_reference(qb, k, v, scale, length - q_len, window)
         else:
-            out[start:end] = _attend_sdpa(qb, k, v, scale, length - q_len)
+            out[start:end] = _attend_sdpa(qb, k, v, scale, n_keys - q_len, window)
     return out.to(q.dtype)
 
 
-def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int) -> Tensor:
-    """torch SDPA with GQA; causal flag when there is no prefix, an explicit mask otherwise."""
+def _attend_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int, window: int | None) -> Tensor:
+    """torch SDPA with GQA; causal flag when there is no prefix nor window, an explicit mask
+    otherwise (row i sees keys offset + i - window < j <= offset + i)."""
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
-    if offset == 0:
+    if offset == 0 and window is None:
         mask, causal = None, True
     else:
         rows = torch.arange(q.shape[0], device=q.device)[:, None] + offset
-        mask, causal = torch.arange(k.shape[0], device=q.device)[None, :] <= rows, False
+        keys = torch.arange(k.shape[0], device=q.device)[None, :]
+        mask, causal = keys <= rows, False
+        if window is not None:
+            mask &= keys > rows - window
     out = F.scaled_dot_product_attention(
         qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=qh.shape[0] != kh.shape[0]
     )

@@ -198,6 +198,8 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
     else:
         sel.note("int4_gemm", "torch-int4pack-bf16", "--int4-compute bf16")
     sel.note("fp8_gemm", "torch", "e4m3 rows decoded in blocks, float32 matmul")
+    int4_moe = sel.table["int4_gemm"]  # INT4 experts: the same kernel over each expert's routed rows
+    sel.note("moe", int4_moe.backend, f"grouped by expert; INT4 experts: {int4_moe.why}", int4_moe.fallback)
     if f32 and native:
         sel.note("int8_head_gemm", native_name, f"block (Q8_0) heads: {native_why}; per-row heads: torch")
     else:

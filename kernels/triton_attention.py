@@ -10,6 +10,11 @@ weighted V in float32, and writes unnormalized partials. The wrapper merges the 
 
 K and V pages are of one kind: both float (float32 / bfloat16), both fp8 or both int8 (with page
 scales); other combinations raise ValueError.
+
+Sliding windows: a query at position p sees keys p - window < j <= p. Decode drops the pages before
+each query's window from its block table first (``window_tables``), so the splits cover only the
+window; prefill starts each query block at the page of its first query's first key. Without a
+window ``WINDOW`` is a huge number and those masks keep every key.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .attention_window import window_tables
 from .fp8_format import FP8_DTYPE, raw_bytes
 from .int8_format import INT8_DTYPE
 from .triton_common import target_programs
+
+NO_WINDOW = 1 << 30  # the kernels' WINDOW without a sliding window: every earlier key is in it
 
 
 def _kv_kind(k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> str:
@@ -73,6 +81,7 @@ def _paged_decode_kernel(
     acc_ptr,
     ml_ptr,
     scale,
+    window,
     pages_per_split,
     stride_sp,
     stride_st,
@@ -122,7 +131,7 @@ def _paged_decode_kernel(
     for i in range(first, last):
         page = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
         tok = i * PAGE_SIZE + offs_t
-        t_mask = (offs_t < PAGE_SIZE) & (tok < length)
+        t_mask = (offs_t < PAGE_SIZE) & (tok < length) & (tok >= length - window)
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k_off = page * stride_kp + offs_t[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
         v_off = page * stride_vp + offs_t[:, None] * stride_vt + h * stride_vh + offs_d[None, :]
@@ -139,8 +148,9 @@ def _paged_decode_kernel(
             s = s * tl.load(k_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays empty
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pv = p
         if V_TOK:
@@ -166,14 +176,17 @@ def paged_decode_attention_triton(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    """``q [B, Hq, D]`` over the paged cache -> ``[B, Hq, D]`` in ``q.dtype``."""
+    """``q [B, Hq, D]`` over the paged cache -> ``[B, Hq, D]`` in ``q.dtype``; with a ``window``
+    each query sees only its last ``window`` keys."""
     bsz, hq, d = q.shape
     _, page_size, hkv, _ = k_cache.shape
     group = hq // hkv
     kind = _kv_kind(k_cache, v_cache, k_scale, v_scale)
     if bsz == 0:
         return torch.empty_like(q)
+    block_tables, context_lens, _ = window_tables(block_tables, context_lens, window, page_size)
     max_pages = block_tables.shape[1]
     if num_splits is None:
         num_splits = max(1, min(max_pages, target_programs(q.device) // (bsz * hkv)))
@@ -199,6 +212,7 @@ def paged_decode_attention_triton(
         acc,
         ml,
         float(scale),
+        window or NO_WINDOW,
         pages_per_split,
         page_size * hkv,
         hkv,
@@ -249,6 +263,7 @@ def _paged_prefill_kernel(
     v_scale_ptr,
     out_ptr,
     scale,
+    window,
     stride_sp,
     stride_st,
     stride_qt,
@@ -293,10 +308,12 @@ def _paged_prefill_kernel(
     # Keys this block needs: up to its last query's position (none if the block is empty).
     key_end = tl.minimum(prefix + (qb + 1) * BLOCK_Q, length)
     n_pages = tl.where(qb * BLOCK_Q < q_len, tl.cdiv(key_end, PAGE_SIZE), 0)
+    # ... and from the first query's first key: its window's start (0 without a window)
+    first_page = tl.maximum(prefix + qb * BLOCK_Q - window + 1, 0) // PAGE_SIZE
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    for i in range(0, n_pages):
+    for i in range(first_page, n_pages):
         page = tl.load(tables_ptr + b * stride_tb + i).to(tl.int64)
         tok = i * PAGE_SIZE + offs_t
         t_mask = (offs_t < PAGE_SIZE) & (tok < length)
@@ -314,12 +331,12 @@ def _paged_prefill_kernel(
         tok_s = page * stride_sp + offs_t * stride_st + kvh
         if K_TOK:
             s = s * tl.load(k_scale_ptr + tok_s, mask=t_mask, other=0.0).to(tl.float32)[None, :]
-        # Token 0 is visible to every query, so no row is all -inf after the first page.
-        visible = t_mask[None, :] & (tok[None, :] <= pos[:, None])
+        visible = t_mask[None, :] & (tok[None, :] <= pos[:, None]) & (tok[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays empty
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         pv = p
         if V_TOK:
@@ -344,8 +361,10 @@ def paged_prefill_attention_triton(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     max_q_len: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
-    """Ragged causal attention over the paged cache: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
+    """Ragged causal attention over the paged cache: ``q [T, Hq, D]`` -> ``[T, Hq, D]``; with a
+    ``window`` each query sees only the last ``window`` keys up to its own position.
 
     ``max_q_len`` (the longest query run) sizes the grid; computed from ``cu_q_lens`` if omitted.
     """
@@ -374,6 +393,7 @@ def paged_prefill_attention_triton(
         vs,
         out,
         float(scale),
+        window or NO_WINDOW,
         page_size * hkv,
         hkv,
         q.stride(0),

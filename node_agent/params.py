@@ -8,6 +8,7 @@ for people and may be reworded freely.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,19 @@ PROMPT = "prompt"  # a RequestError about the prompt: the API names its own fiel
 # Seeds torch.Generator.manual_seed takes without overflow (negative ones wrap modulo 2**64).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
+
+# SamplingParams.guided: the decoding constraints (the engine compiles them with xgrammar)
+GUIDED_TYPES = ("json_object", "json_schema", "regex", "tool_calls")
+GUIDED_MAX_BYTES = 64 << 10  # of the constraint's JSON encoding: a larger one is refused
+GUIDED_PARAM = "response_format"  # the API field a constraint error names unless it says otherwise
+_GUIDED_KEYS = {
+    "json_object": ({"type"}, set()),  # (required keys, optional keys) besides "param"
+    "json_schema": ({"type", "schema"}, set()),
+    "regex": ({"type", "pattern"}, set()),
+    "tool_calls": ({"type", "format", "tools"}, {"tool_choice", "parallel_tool_calls", "reasoning"}),
+}
+_REASONING_MODES = ("enabled", "disabled", "auto")
 
 
 class RequestError(ValueError):
@@ -55,6 +69,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens stay in the text (tool-call markers)
+    guided: dict | None = None  # a decoding constraint (GUIDED_TYPES); see check_guided
+    logprobs: int | None = None  # None: off; N: each sampled token's logprob and its top N
+    prompt_logprobs: int | None = None  # None: off; N: every prompt token's logprob and top N
 
     def validate(self) -> None:
         """Raise RequestError naming the first parameter that cannot be served."""
@@ -80,10 +98,85 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}", "top_k")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", "stop")
+        if self.guided is not None:
+            check_guided(self.guided)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(
+                    f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {v!r}", name
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def guided_param(guided: object) -> str:
+    """The API field a constraint's errors name: its ``param`` key, else GUIDED_PARAM."""
+    p = guided.get("param") if isinstance(guided, dict) else None
+    return p if isinstance(p, str) and p else GUIDED_PARAM
+
+
+def check_guided(g: object) -> None:
+    """Raise RequestError (naming the constraint's param) unless ``g`` is a well-formed constraint:
+    ``{"type": "json_object"}``, ``{"type": "json_schema", "schema": {...}}``, ``{"type": "regex",
+    "pattern": str}`` or ``{"type": "tool_calls", "format": str, "tools": [{...}], "tool_choice":
+    "auto" | "required" | {"type": "function", "function": {"name": str}}, "parallel_tool_calls":
+    bool, "reasoning": "enabled" | "disabled" | "auto"}``, plus an optional ``"param"`` string, and at
+    most GUIDED_MAX_BYTES as JSON. Whether the grammar compiles is the engine's check."""
+    param = guided_param(g)
+
+    def bad(why: str) -> RequestError:
+        return RequestError(f"constraint: {why}", param)
+
+    if not isinstance(g, dict):
+        raise bad(f"must be an object, got {type(g).__name__}")
+    kind = g.get("type")
+    if kind not in _GUIDED_KEYS:
+        raise bad(f"type must be one of {list(GUIDED_TYPES)}, got {str(kind)[:40]!r}")
+    required, optional = _GUIDED_KEYS[kind]
+    keys = set(g) - {"param"}
+    if not required <= keys or not keys <= required | optional:
+        raise bad(
+            f"{kind} takes the keys {sorted(required)} (and {sorted(optional)}), got {sorted(map(str, keys))}"
+        )
+    if "param" in g and (not isinstance(g["param"], str) or not 0 < len(g["param"]) <= 64):
+        raise bad("param must be a string of 1..64 characters")
+    try:
+        size = len(json.dumps(g, allow_nan=False).encode())
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise bad(f"must be plain JSON ({str(exc)[:80]})") from None
+    if size > GUIDED_MAX_BYTES:
+        raise bad(f"{size} bytes as JSON, at most {GUIDED_MAX_BYTES} are accepted")
+    if kind == "json_schema" and not isinstance(g["schema"], dict):
+        raise bad(f"schema must be a JSON object, got {type(g['schema']).__name__}")
+    if kind == "regex" and (not isinstance(g["pattern"], str) or not g["pattern"]):
+        raise bad("pattern must be a non-empty string")
+    if kind == "tool_calls":
+        _check_tool_calls(g, bad)
+
+
+def _check_tool_calls(g: dict, bad) -> None:
+    """The tool_calls constraint's own fields (``bad(why)`` makes the error)."""
+    if not isinstance(g["format"], str) or not g["format"]:
+        raise bad("format must be the name of a tool-call format")
+    tools = g["tools"]
+    if not isinstance(tools, list) or not tools or not all(isinstance(t, dict) for t in tools):
+        raise bad("tools must be a non-empty list of tool objects")
+    choice = g.get("tool_choice", "auto")
+    named = (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str)
+    )
+    if choice not in ("auto", "required") and not named:
+        raise bad('tool_choice must be "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    if type(g.get("parallel_tool_calls", True)) is not bool:
+        raise bad("parallel_tool_calls must be a boolean")
+    if g.get("reasoning", "auto") not in _REASONING_MODES:
+        raise bad(f"reasoning must be one of {list(_REASONING_MODES)}")
 
 
 # The internal plane's JSON form of SamplingParams: each field's accepted JSON types.
@@ -96,9 +189,15 @@ _PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "stop": (list,),
     "stop_token_ids": (list,),
     "ignore_eos": (bool,),
+    "skip_special_tokens": (bool,),
+    "guided": (dict, type(None)),
+    "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
 }
 # The fields a wrong JSON type is answered under (the others keep param null, as before).
-_NAMED_ON_TYPE_ERROR = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"})
+_NAMED_ON_TYPE_ERROR = frozenset(
+    {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "prompt_logprobs"}
+)
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
@@ -112,6 +211,10 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
         "stop": list(p.stop),
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": p.ignore_eos,
+        "skip_special_tokens": p.skip_special_tokens,
+        "guided": p.guided,
+        "logprobs": p.logprobs,
+        "prompt_logprobs": p.prompt_logprobs,
     }
 
 

@@ -588,8 +588,9 @@ def agent_binding_name(md_name: str) -> str:
 
 
 def agent_rbac(meta: Obj, cfg: Config | None = None) -> list[Obj]:
-    """ServiceAccount, Role and RoleBinding letting the agents patch pods in this namespace: each
-    agent writes its report into its own Pod's annotation. RBAC cannot name a pod not created yet;
+    """ServiceAccount, Role and RoleBinding letting the agents patch pods and renew Leases in this
+    namespace: each agent writes its report into its own Pod's annotation and its heartbeat into
+    its own Lease. RBAC cannot name a pod not created yet;
     the chart's ValidatingAdmissionPolicy narrows it to the agent's own pod and that annotation.
 
     With ``cfg.agent_cluster_role`` (the chart's cluster mode) the RoleBinding binds that ClusterRole
@@ -619,7 +620,14 @@ def agent_rbac(meta: Obj, cfg: Config | None = None) -> list[Obj]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(meta, name, "agent"),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}],
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},
+                {
+                    "apiGroups": ["coordination.k8s.io"],
+                    "resources": ["leases"],
+                    "verbs": ["create", "patch"],
+                },
+            ],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

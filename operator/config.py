@@ -38,6 +38,8 @@ class Config:
     # The chart's agent ClusterRole (cluster mode): bound per ModelDeployment instead of a Role.
     agent_cluster_role: str = ""
     metrics_port: int = 0  # the operator's Prometheus metrics port; 0: not served
+    # How long a Secret found by a pass is answered from memory (Secrets are not watched).
+    secret_cache_s: float = 60.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -69,4 +71,5 @@ class Config:
             shift_settle_s=float(env.get("PAGODA_SHIFT_SETTLE_S", cls.shift_settle_s)),
             agent_cluster_role=env.get("PAGODA_AGENT_CLUSTER_ROLE", cls.agent_cluster_role).strip(),
             metrics_port=int(env.get("PAGODA_METRICS_PORT") or cls.metrics_port),
+            secret_cache_s=float(env.get("PAGODA_SECRET_CACHE_S") or cls.secret_cache_s),
         )

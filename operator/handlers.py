@@ -15,9 +15,9 @@ from .config import Config
 from .kube import Kube
 from .reconcile import reconcile
 from .spec import GROUP, PLURAL, VERSION
+from .watch_cache import OPTIONAL_KINDS, CachedKube, WatchCache
 
 MD = (GROUP, VERSION, PLURAL)
-CHILD_LABELS = {"app.kubernetes.io/managed-by": children.MANAGED_BY, children.MD_LABEL: kopf.PRESENT}
 
 
 @dataclass
@@ -25,7 +25,9 @@ class Memo:
     """Operator-wide state shared by the handlers (kopf passes it as ``memo``)."""
 
     cfg: Config
-    kube: Kube | None = None
+    kube: Kube | CachedKube | None = None
+    # What the child watches have delivered: the passes read children from it (watch_cache.py).
+    cache: WatchCache = field(default_factory=WatchCache)
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     # Mismatch-rate window snapshot (per-agent counter baselines) per ModelDeployment.
     windows: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
@@ -72,6 +74,18 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any, trigger: str = "c
 log = logging.getLogger("pagoda.operator")
 
 
+async def _cache_served(kube: Kube, cache: WatchCache, logger: Any) -> None:
+    """Drop from the cache the optional kinds not served at start: kopf does not watch those."""
+    for kind in OPTIONAL_KINDS:
+        try:
+            served = await kube.served(kind)
+        except Exception as err:  # undecided: read that kind from the API, never a stale cache
+            logger.warning("cannot discover %s: %s", kind, err)
+            served = False
+        if not served:
+            cache.kinds = cache.kinds - {kind}
+
+
 async def resync_loop(memo: Memo, interval_s: float) -> None:
     """Every ``interval_s``, one pass of each known ModelDeployment (level-based repair and status).
 
@@ -113,10 +127,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             logger.info("operator metrics on :%d/metrics", cfg.metrics_port)
 
     @kopf.on.startup(registry=registry)
-    async def install_crd(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
-        """Server-side apply the CRD (PAGODA_INSTALL_CRD, --no-install-crd); failures are logged."""
-        if not cfg.install_crd:
-            return
+    async def install_crd(settings: kopf.OperatorSettings, memo: Memo, logger: Any, **_: Any) -> None:
+        """Server-side apply the CRD (PAGODA_INSTALL_CRD, --no-install-crd); failures are logged.
+        Then keep in the watch cache only the optional kinds served now, the ones kopf watches."""
         info = kopf.login_with_service_account(
             settings=settings, logger=logger
         ) or kopf.login_with_kubeconfig(settings=settings, logger=logger)
@@ -125,7 +138,9 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             return
         kube = Kube(info)
         try:
-            await crd.install(kube, crd_file=cfg.crd_file)
+            if cfg.install_crd:
+                await crd.install(kube, crd_file=cfg.crd_file)
+            await _cache_served(kube, memo.cache, logger)
         finally:
             await kube.close()
 
@@ -133,7 +148,7 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
     def login(memo: Memo, **kwargs: Any) -> kopf.ConnectionInfo | None:
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
         if info is not None:
-            memo.kube = Kube(info)
+            memo.kube = CachedKube(Kube(info), memo.cache, memo.cfg.secret_cache_s)
         return info
 
     @kopf.on.cleanup(registry=registry)
@@ -167,22 +182,34 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             memo.known.add(key)
 
     # Secrets are not watched: that would need list/watch on every Secret in the watched
-    # namespaces. A deleted ``<md>-internal`` Secret comes back on the next timer pass.
-    # LeaderWorkerSets are watched when their CRD is installed at start (kopf resolves resources
-    # once); otherwise, or when it is installed later, the timer pass sees them.
-    for group, version, plural in (
-        ("apps", "v1", "deployments"),
-        ("", "v1", "services"),
-        ("networking.k8s.io", "v1", "networkpolicies"),
-        ("leaderworkerset.x-k8s.io", "v1", children.LWS_PLURAL),
-    ):
+    # namespaces. A deleted ``<md>-internal`` Secret comes back on a later resync pass.
+    # LeaderWorkerSets and the Gateway kinds are watched when their CRDs are installed at start
+    # (kopf resolves resources once); otherwise, or when installed later, they are read from the
+    # API at every pass. The watched kinds feed the watch cache the passes read children from.
+    for kind, (group, version, plural) in {
+        "Deployment": ("apps", "v1", "deployments"),
+        "Service": ("", "v1", "services"),
+        "ServiceAccount": ("", "v1", "serviceaccounts"),
+        "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+        "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+        "InferencePool": ("inference.networking.k8s.io", "v1", "inferencepools"),
+        "HTTPRoute": ("gateway.networking.k8s.io", "v1", "httproutes"),
+        "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+        "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+        "HorizontalPodAutoscaler": ("autoscaling", "v2", "horizontalpodautoscalers"),
+        "LeaderWorkerSet": ("leaderworkerset.x-k8s.io", "v1", children.LWS_PLURAL),
+    }.items():
 
-        @kopf.on.event(group, version, plural, labels=CHILD_LABELS, registry=registry)
-        async def child_changed(body: kopf.Body, type: str | None, memo: Memo, logger: Any, **_: Any) -> None:
-            """A child changed or went away: repair it now rather than at the next timer tick."""
-            if type not in ("MODIFIED", "DELETED") or memo.kube is None:
+        @kopf.on.event(group, version, plural, registry=registry)
+        async def child_changed(
+            body: kopf.Body, type: str | None, memo: Memo, logger: Any, cached_kind: str = kind, **_: Any
+        ) -> None:
+            """Keep the watch cache; a child changed or went away: repair it now rather than at
+            the next resync. Not filtered by label in kopf: an object whose labels were edited
+            away from the operator's must leave the cache too (and be repaired)."""
+            owner = memo.cache.follow(cached_kind, dict(body), deleted=type == "DELETED")
+            if owner is None or type not in ("MODIFIED", "DELETED") or memo.kube is None:
                 return
-            owner = body["metadata"]["labels"][children.MD_LABEL]
             md = {"metadata": {"namespace": body["metadata"]["namespace"], "name": owner}}
             try:
                 await _pass(memo, md, logger, "child")

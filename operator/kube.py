@@ -18,6 +18,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Pod": ("/api/v1", "pods"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "Secret": ("/api/v1", "secrets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.agent_lease import renew_times
 from pagoda.agent_report import format_time, parse_time
 
 from . import children, credentials, formats, lws_support, mismatch_decay, ownership, rollout
@@ -20,7 +21,7 @@ from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Con
 from .config import Config
 from .kube import ApiError, Kube
 from .spec import POOLS, Spec, parse
-from .status import agent_entries, incomplete_groups, pool_figures, reports_of, split, window
+from .status import agent_entries, alive_at, incomplete_groups, pool_figures, reports_of, split, window
 
 Obj = dict[str, Any]
 Emit = Callable[[str, str, str], None]  # (type, reason, message)
@@ -554,7 +555,13 @@ async def reconcile(
     except ApiError as err:  # no reports this pass; the figures read as zero until the next
         log.warning("cannot list pods of %s/%s: %s", ns, name, err.message)
         pods = []
-    agents = split(reports_of(pods, now, cfg.stale_after_s), now, cfg.stale_after_s)
+    try:  # the agents' heartbeats (pagoda/agent_lease.py); none: the pod reports' own times
+        renewed = renew_times(await kube.list("Lease", ns, {children.MD_LABEL: name}))
+    except ApiError as err:
+        log.warning("cannot list the agents' leases of %s/%s: %s", ns, name, err.message)
+        renewed = {}
+    reports = alive_at(reports_of(pods, now, cfg.stale_after_s), renewed, now)
+    agents = split(reports, now, cfg.stale_after_s)
 
     # A pool status without a rate: unknown (no checks for a window) when the last pass wrote it.
     previous: dict[str, float | None] = {

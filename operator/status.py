@@ -8,6 +8,7 @@ whatever the number of pods. Everything here is pure: the reconciler passes the 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -80,6 +81,20 @@ def incomplete_groups(pods: list[Obj], set_name: str, size: int) -> list[tuple[s
             continue
         ready[int(index)] = ready.get(int(index), 0) + int(_pod_ready(pod))
     return [(f"{set_name}-{i}", n) for i, n in sorted(ready.items()) if n < size]
+
+
+def alive_at(
+    reports: Reports, renewed: Mapping[str, dt.datetime], now: dt.datetime
+) -> dict[str, AgentReport]:
+    """The reports with each agent's last sign of life: the later of its report's time and its
+    Lease's ``renewTime`` (pagoda/agent_lease.py; never later than ``now``). An agent without a
+    Lease keeps its report's time; a pod without a readable report stays without a time."""
+    out = dict(reports)
+    for pod, report in reports.items():
+        when, lease = report.last_report_time, renewed.get(pod)
+        if when is not None and lease is not None and lease > when:
+            out[pod] = dataclasses.replace(report, last_report_time=min(lease, now))
+    return out
 
 
 def split(reports: Mapping[str, AgentReport], now: dt.datetime, stale_after_s: float) -> Agents:

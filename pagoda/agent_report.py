@@ -201,8 +201,9 @@ class AgentReport:
             "runningRequests": self.running_requests,
             "waitingRequests": self.waiting_requests,
             "integrity": self.integrity.to_status(),
-            "weights": self.weights.to_status(),
         }
+        if any(self.weights.parts.values()) or self.weights.by_format:  # agents now leave it out
+            out["weights"] = self.weights.to_status()
         if self.last_report_time is not None:
             out["lastReportTime"] = format_time(self.last_report_time)
         return out

@@ -5,7 +5,10 @@ Pure Python (no torch): the operator image imports it without the engine's depen
 
 from __future__ import annotations
 
-WEIGHT_FORMATS = ("bf16", "fp8", "int4")  # per-phase linear weight formats
+# Per-phase linear weight formats. ``stored``: every layer a checkpoint holds quantized (INT4 groups,
+# FP8 blocks, ...) runs in its stored format, layers stored dense in the compute dtype.
+STORED = "stored"
+WEIGHT_FORMATS = ("bf16", "fp8", "int4", STORED)
 KV_CACHE_FORMATS = ("bf16", "fp8_e4m3", "int8")  # per-phase KV page formats
 INTEGRITY_MODES = ("enforce", "audit", "off")
 PHASES = ("prefill", "decode")  # also the operator's pool names

@@ -11,6 +11,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 BUILTIN = "builtin://smollm2-135m"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_app_caches():
+    """After each module, let its servers' engines go: FastAPI keeps each route's endpoint in module
+    level LRU caches (4,096 entries) and our endpoints close over their worker, so without this
+    every app a test built, with its engine and KV pools, lived to the end of the session (the suite
+    outgrew a 24 GiB machine). One server per process, as in production, is unaffected."""
+    yield
+    import gc
+    import sys
+
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in dir(models) if models else ():
+        clear = getattr(getattr(models, name), "cache_clear", None)
+        if callable(clear):
+            clear()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def builtin_loaded():
     """SmolLM2-135M-Instruct weights (float32, HF names) and config, from the shipped GGUF."""
@@ -57,3 +75,28 @@ def hf_reference():
     from pagoda.node_agent.bench.decode import load_hf_reference
 
     return load_hf_reference(BUILTIN, torch.float32)
+
+
+_RSS_LOG = os.environ.get("PAGODA_TEST_RSS_LOG")
+
+if _RSS_LOG:
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_logfinish(nodeid, location):
+        """Append each test's process memory (and its children's) to PAGODA_TEST_RSS_LOG."""
+        import time
+
+        import psutil
+
+        me = psutil.Process()
+        kids = me.children(recursive=True)
+        child_rss = 0
+        for k in kids:
+            try:
+                child_rss += k.memory_info().rss
+            except psutil.Error:
+                pass
+        with open(_RSS_LOG, "a") as f:
+            f.write(
+                f"{time.time():.1f}\t{me.memory_info().rss >> 20}\t{child_rss >> 20}\t{len(kids)}\t{nodeid}\n"
+            )

@@ -1,13 +1,15 @@
-"""The agent reporter: write this pod's report into its own Pod every interval.
+"""The agent reporter: this pod's report in its own Pod, its heartbeat in its own Lease.
 
 On when ``PAGODA_MD_NAME`` and ``PAGODA_POD_NAME`` are set (the operator sets them); off otherwise.
-The report is built every interval and written when its figures changed, else once a heartbeat
-(``PAGODA_REPORT_HEARTBEAT_S``, 30 s), so idle agents do not write their pod every interval.
-Each report is a JSON merge patch of this Pod's ``pagoda.dev/agent-report`` annotation: an
-``AgentReport`` (pagoda/agent_report.py, the shape the operator reads) as compact JSON. The
-operator reads the pods of its ModelDeployment and keeps only sums and the worst agents in the
-CR status, so the CR stays small whatever the number of pods, and agents and operator never write
-the same object.
+Every interval the agent renews its Lease (``coordination.k8s.io/v1``, named as its pod, owned by
+it: pagoda/agent_lease.py), the heartbeat the operator reads liveness from, and builds its report,
+written into the Pod only when its figures changed, else once a heartbeat
+(``PAGODA_REPORT_HEARTBEAT_S``, 300 s; 30 s while the Lease cannot be renewed, so that an operator
+reading the pod report alone still sees the agent live). Each report is a JSON merge patch of this
+Pod's ``pagoda.dev/agent-report`` annotation: an ``AgentReport`` (pagoda/agent_report.py, the shape
+the operator reads) as compact JSON. The operator reads the pods of its ModelDeployment and keeps
+only sums and the worst agents in the CR status, so the CR stays small whatever the number of
+pods, and agents and operator never write the same object.
 Credentials: the pod's ServiceAccount when in a cluster, else ``KUBECONFIG`` / ``~/.kube/config``
 (server, token or client certificate, CA).
 """
@@ -32,12 +34,12 @@ from urllib.parse import quote
 
 import httpx
 
+from pagoda.agent_lease import LEASES_PATH, lease_body, micro_time, pod_owner
 from pagoda.agent_report import (
     REPORT_ANNOTATION,
     AgentReport,
     IntegrityReport,
     PhaseFormats,
-    WeightReport,
     to_annotation,
 )
 from pagoda.node_agent.serving.api.metrics import EngineSnapshot
@@ -46,6 +48,9 @@ log = logging.getLogger("pagoda.reporter")
 
 SA_DIR = pathlib.Path("/var/run/secrets/kubernetes.io/serviceaccount")
 API = "/api/v1/namespaces/{ns}/pods/{pod}"
+FALLBACK_HEARTBEAT_S = 30.0  # the pod report's heartbeat while the Lease cannot be renewed
+JSON = {"Content-Type": "application/json"}
+MERGE = {"Content-Type": "application/merge-patch+json"}
 
 
 @dataclass
@@ -57,8 +62,9 @@ class ReporterConfig:
     node: str = ""
     interval_s: float = 10.0
     # An unchanged report (same figures, only a newer time) is written at most this often: an idle
-    # agent costs the API server one pod write per heartbeat instead of one per interval.
-    heartbeat_s: float = 30.0
+    # agent's liveness is its Lease, renewed every interval; its pod is written once a heartbeat.
+    heartbeat_s: float = 300.0
+    lease: bool = True  # renew a Lease every interval (PAGODA_AGENT_LEASE=0: the pod report alone)
 
     @classmethod
     def from_env(
@@ -72,13 +78,30 @@ class ReporterConfig:
         ns = env.get("PAGODA_MD_NAMESPACE") or _sa_namespace() or "default"
         every = interval if interval is not None else float(env.get("PAGODA_REPORT_INTERVAL_S") or 10)
         heartbeat = max(every, float(env.get("PAGODA_REPORT_HEARTBEAT_S") or cls.heartbeat_s))
+        lease = (env.get("PAGODA_AGENT_LEASE") or "1").strip().lower() not in ("0", "false", "no", "off")
         return cls(
-            name, ns, pod, env.get("PAGODA_POOL") or pool, env.get("PAGODA_NODE_NAME", ""), every, heartbeat
+            name,
+            ns,
+            pod,
+            env.get("PAGODA_POOL") or pool,
+            env.get("PAGODA_NODE_NAME", ""),
+            every,
+            heartbeat,
+            lease,
         )
 
     @property
     def path(self) -> str:
         return API.format(ns=quote(self.namespace), pod=quote(self.pod))
+
+    @property
+    def leases_path(self) -> str:
+        return LEASES_PATH.format(ns=quote(self.namespace))
+
+    @property
+    def lease_duration_s(self) -> int:
+        """The Lease's ``leaseDurationSeconds``: three intervals without a renewal."""
+        return max(1, round(3 * self.interval_s))
 
 
 def _sa_namespace() -> str | None:
@@ -164,7 +187,8 @@ def build_report(
         running_requests=snap.running,
         waiting_requests=snap.waiting,
         integrity=IntegrityReport.from_counters(snap.integrity_mode, snap.integrity),
-        weights=WeightReport.from_breakdown(snap.weight_breakdown),
+        # No ``weights`` split: Prometheus scrapes it (pagoda_weight_part_bytes and
+        # pagoda_weight_format_bytes); the report keeps the total the status sums.
         last_report_time=when.replace(microsecond=0),
     )
 
@@ -184,6 +208,10 @@ class AgentReporter:
         self._prev: tuple[float, int] | None = None
         self._last: tuple[float, dict[str, Any]] | None = None  # (monotonic time, figures) last sent
         self.skipped = 0
+        self.pod_uid = ""  # from the first report's answer: the Lease's ownerReference
+        self._lease: dict[str, Any] | None = None  # the Lease as last written (its resourceVersion)
+        self.lease_ok = False  # the last renewal went through
+        self.lease_writes = 0
 
     async def start(self) -> None:
         self.auth = self.auth or KubeAuth.discover()
@@ -214,7 +242,10 @@ class AgentReporter:
             sent_at, sent = self._last
             # Half an interval of slack: a sleep may end a hair early, and the heartbeat falls
             # on a report of the interval grid either way.
-            if sent == figures and now - sent_at < self.cfg.heartbeat_s - self.cfg.interval_s / 2:
+            heartbeat = (
+                self.cfg.heartbeat_s if self.lease_ok else min(self.cfg.heartbeat_s, FALLBACK_HEARTBEAT_S)
+            )
+            if sent == figures and now - sent_at < heartbeat - self.cfg.interval_s / 2:
                 self.skipped += 1
                 return False
         body = {"metadata": {"annotations": {REPORT_ANNOTATION: to_annotation(report)}}}
@@ -222,12 +253,47 @@ class AgentReporter:
         resp = await client.patch(
             self.auth.server + self.cfg.path,
             content=json.dumps(body),
-            headers={"Content-Type": "application/merge-patch+json"},
+            headers=MERGE,
         )
         if resp.status_code >= 300:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
         self.sent += 1
         self._last = (now, figures)
+        self.pod_uid = self.pod_uid or _uid_of(resp)
+        return True
+
+    async def renew_lease(self, client: httpx.AsyncClient) -> bool:
+        """Renew this agent's Lease: a merge patch of its ``renewTime`` (the Lease created when
+        absent, owned by the pod once its uid is known). False when it failed."""
+        if not self.cfg.lease:
+            return False
+        assert self.auth is not None
+        cfg, now = self.cfg, dt.datetime.now(dt.UTC)
+        url = self.auth.server + cfg.leases_path
+        spec = {"holderIdentity": cfg.pod, "leaseDurationSeconds": cfg.lease_duration_s}
+        patch: dict[str, Any] = {"spec": {**spec, "renewTime": micro_time(now)}}
+        owned = ((self._lease or {}).get("metadata") or {}).get("ownerReferences")
+        if self.pod_uid and not owned:  # the Lease was created before the pod's uid was known
+            patch["metadata"] = {"ownerReferences": [pod_owner(cfg.pod, self.pod_uid)]}
+        try:
+            resp = await client.patch(f"{url}/{quote(cfg.pod)}", content=json.dumps(patch), headers=MERGE)
+            if resp.status_code == 404:
+                body = lease_body(
+                    cfg.pod, cfg.namespace, cfg.md_name, cfg.pool, self.pod_uid, cfg.lease_duration_s, now
+                )
+                resp = await client.post(url, content=json.dumps(body), headers=JSON)
+            return self._renewed(resp)
+        except Exception as exc:  # the pod report's heartbeat stands in meanwhile
+            if self.lease_ok or self.lease_writes == 0:
+                log.warning("agent lease renewal failed: %s", exc)
+            self._lease, self.lease_ok = None, False
+            return False
+
+    def _renewed(self, resp: httpx.Response) -> bool:
+        if resp.status_code >= 300:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        self._lease, self.lease_ok = resp.json(), True
+        self.lease_writes += 1
         return True
 
     async def _loop(self) -> None:
@@ -248,4 +314,14 @@ class AgentReporter:
                 except Exception as exc:  # keep reporting; the operator marks us stale meanwhile
                     self.failures += 1
                     log.warning("agent report failed: %s", exc)
+                await self.renew_lease(client)
                 await asyncio.sleep(self.cfg.interval_s)
+
+
+def _uid_of(resp: Any) -> str:
+    """The pod's uid from a pod write's answer ("" when the answer carries none)."""
+    try:
+        uid = resp.json()["metadata"]["uid"]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return ""
+    return uid if isinstance(uid, str) else ""

@@ -33,42 +33,10 @@ import torch.nn.functional as F
 from pagoda.node_agent.bench.common import EngineFactory, Log, echo, engine_factory, set_threads
 from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 from pagoda.node_agent.kv.pool import TAG_BYTES
+from pagoda.quality_probe import PROBE_PROMPTS, PROBE_TEXT, greedy_agreement
 
-EVAL_TEXT = (
-    "Every spring the river below the old mill rises with melted snow from the northern hills. "
-    "The miller's daughter keeps a notebook of the water level: she marks the stone steps at dawn, "
-    "writes the date beside each mark, and compares the pages year after year. In a dry year the "
-    "water barely touches the fourth step; in a wet one it floods the yard and the geese swim "
-    "where the cart usually stands.\n\n"
-    "A sorting algorithm arranges items in order. Insertion sort walks through a list and moves "
-    "each element left until the element before it is smaller:\n\n"
-    "def insertion_sort(items):\n"
-    "    for i in range(1, len(items)):\n"
-    "        key = items[i]\n"
-    "        j = i - 1\n"
-    "        while j >= 0 and items[j] > key:\n"
-    "            items[j + 1] = items[j]\n"
-    "            j -= 1\n"
-    "        items[j + 1] = key\n"
-    "    return items\n\n"
-    "It takes quadratic time in the worst case but is fast on lists that are almost sorted.\n\n"
-    "Question: How many days are there in a leap year?\n"
-    "Answer: A leap year has 366 days; February gets a twenty-ninth day.\n\n"
-    "The human heart has four chambers: two atria receive blood and two ventricles pump it out. "
-    "The right side sends blood to the lungs, where it picks up oxygen; the left side pushes it "
-    "through the rest of the body. A resting adult heart beats about sixty to one hundred times a "
-    "minute. Tokyo is the capital of Japan, Canberra is the capital of Australia, and Ottawa is "
-    "the capital of Canada. El tren sale a las ocho; le train part à huit heures."
-)
-
-EVAL_PROMPTS = [
-    "What is the capital of Italy?",
-    "Give two reasons why people keep cats as pets.",
-    "Write one sentence about the ocean at night.",
-    "How do plants make their food?",
-    "Name three planets of the solar system.",
-    "What should I pack for a rainy day hike?",
-]
+EVAL_TEXT = PROBE_TEXT  # the built-in probe set, shared with the quality gate
+EVAL_PROMPTS = list(PROBE_PROMPTS)
 
 DEFAULT_FORMATS = "bf16/bf16,bf16/fp8,bf16/int8,int4/bf16,int4/fp8,int4/int8,fp8/bf16"
 
@@ -114,16 +82,6 @@ def greedy_tokens(engine, prompts: list[str], max_new_tokens: int) -> list[list[
     ids = [engine.add_request(p, params, chat=True) for p in prompts]
     final = engine.run_until_done()
     return [final[i].token_ids for i in ids]
-
-
-def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[float, float]:
-    """(mean identical-prefix fraction, fraction of fully identical continuations)."""
-    fracs, same = [], 0
-    for a, b in zip(ref, other, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        fracs.append(n / max(len(a), 1))
-        same += a == b
-    return sum(fracs) / len(fracs), same / len(ref)
 
 
 def kv_bytes_per_token(engine) -> float:

@@ -41,12 +41,32 @@ from pagoda.node_agent.engine.kv_setup import kv_components, token_scaled_compon
 from pagoda.node_agent.kv.formats import TOKEN_SCALE_BYTES
 from pagoda.node_agent.kv.pool import KVPagePool, storage_dtype
 from pagoda.node_agent.params import SamplingParams
-from pagoda.vocabulary import KV_CACHE_FORMATS, WEIGHT_FORMATS
+from pagoda.vocabulary import KV_CACHE_FORMATS, STORED
+from pagoda.vocabulary import WEIGHT_FORMATS as ALL_WEIGHT_FORMATS
+
+# `bench weights` compares the formats a dense source is converted to (``stored`` is the source's own)
+WEIGHT_FORMATS = tuple(f for f in ALL_WEIGHT_FORMATS if f != STORED)
 
 DEFAULT_KV_BUDGET = 64 << 20
 TRUE_BF16 = torch.bfloat16
 # the 1-byte KV formats, each compared with bf16, by the short name their JSON ratios carry
 ONE_BYTE_KV = {"fp8_e4m3": "fp8", "int8": "int8"}
+
+
+def one_byte_kv_ratios(runs: dict[str, list[dict]], concurrency: list[int], figure: str) -> dict:
+    """Each 1-byte KV format's ``figure`` over bf16's, paired per repeat, per concurrency
+    (``runs`` keyed "FORMAT cC")."""
+    return {
+        f: {
+            f"c{c}": paired_ratio(
+                [x[figure] for x in runs[f"{f} c{c}"]], [x[figure] for x in runs[f"bf16 c{c}"]]
+            )
+            for c in concurrency
+        }
+        for f in ONE_BYTE_KV
+    }
+
+
 FILLER = (
     " The tide came in slowly over the flat grey sand, filling the channels one by one while the "
     "gulls waited on the posts of the old pier for the fishing boats to return before nightfall."
@@ -275,16 +295,7 @@ def bench_kv(
                 f"{f:<10}{c:>6}{r['decode_tok_s']:>14.1f}{mm:>16}{r['window_mean_batch']:>12.1f}"
                 f"{r['preemptions']:>9}{r['peak_running']:>6}"
             )
-    ratio_rows = {
-        f: {
-            f"c{c}": paired_ratio(
-                [x["decode_tok_s"] for x in runs[f"{f} c{c}"]],
-                [x["decode_tok_s"] for x in runs[f"bf16 c{c}"]],
-            )
-            for c in concurrency
-        }
-        for f in ONE_BYTE_KV
-    }
+    ratio_rows = one_byte_kv_ratios(runs, concurrency, "decode_tok_s")
     return {
         "bench": "kv",
         **environment(),

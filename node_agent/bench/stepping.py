@@ -85,11 +85,13 @@ def run_steps(
     prompts: list,
     max_tokens: int,
     probe: Callable[[], dict] | None = None,
+    guided: dict | None = None,
 ) -> Trace:
     """Submit every prompt at once (greedy, EOS ignored) and step to the end, recording each step.
 
-    ``probe()`` is called after every step; what it returns is stored in that step's ``extra``."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ``probe()`` is called after every step; what it returns is stored in that step's ``extra``.
+    ``guided``: every request's decoding constraint (SamplingParams.guided)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
     stats, sched = engine.stats, engine.scheduler
     t0 = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]

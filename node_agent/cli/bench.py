@@ -1,4 +1,4 @@
-"""``pagoda bench decode|kv|weights|integrity|serve|kernels``: flags in, a result JSON and a PNG out."""
+"""``pagoda bench decode|kv|weights|integrity|guided|serve|kernels``: flags in, a result JSON and a PNG out."""
 
 from __future__ import annotations
 
@@ -50,12 +50,15 @@ def add_method_args(p: argparse.ArgumentParser, threads_default: int | None, rep
     )
 
 
-def command_line(a: argparse.Namespace) -> str:
-    """The bench's command with every flag that differs from its default, as a shell line."""
-    parser = getattr(a, "bench_parser", None)
-    words = ["pagoda", "bench", a.bench]
+def command_line(
+    a: argparse.Namespace, words: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> str:
+    """The command (``words``, by default ``pagoda bench NAME``) with every flag of ``parser`` (by
+    default the bench's own) that differs from its default, as a shell line."""
+    parser = parser if parser is not None else getattr(a, "bench_parser", None)
+    words = list(words) if words is not None else ["pagoda", "bench", a.bench]
     for act in parser._actions if parser is not None else []:
-        if not act.option_strings or act.dest in ("help", "bench_parser", "func"):
+        if not act.option_strings or act.dest in ("help", "bench_parser", "eval_parser", "func"):
             continue
         val = getattr(a, act.dest, act.default)
         if val == act.default:
@@ -87,8 +90,25 @@ def cmd_bench_integrity(a: argparse.Namespace) -> int:
     from pagoda.node_agent.bench.integrity import bench_integrity, plot_integrity
 
     cfg = engine_config_from_args(a)
+    if a.soak:
+        from pagoda.node_agent.bench.soak import SoakPlan, bench_soak, plot_soak
+
+        plan = SoakPlan(requests=a.requests, in_flight=a.in_flight, seed=a.seed)
+        result = bench_soak(cfg, plan, a.threads, real_model=a.soak_real_model)
+        write_result(a.json, result, lambda p: plot_soak(p, result), command_line(a))
+        failed = result["missed"] + result["false_positives"] + result["bystander_failures"]
+        return 1 if failed + result["leaked_pages"] + result["victims_wrong_outcome"] else 0
     result = bench_integrity(cfg, a.concurrency, a.input_len, a.output_len, a.repeats, a.threads)
     write_result(a.json, result, lambda p: plot_integrity(p, result), command_line(a))
+    return 0
+
+
+def cmd_bench_guided(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.guided import bench_guided, plot_guided
+
+    cfg = engine_config_from_args(a)
+    result = bench_guided(cfg, a.concurrency, a.input_len, a.output_len, a.repeats, a.threads)
+    write_result(a.json, result, lambda p: plot_guided(p, result), command_line(a))
     return 0
 
 
@@ -103,7 +123,17 @@ def cmd_bench_kv(a: argparse.Namespace) -> int:
             Path(a.json).write_text(json.dumps(result, indent=2))
             print(f"wrote {a.json}")
         return 0
-    result = bench_kv(cfg, a.concurrency, a.max_tokens, a.pages_per_seq, a.threads, repeats=a.repeats)
+    if a.decode_heavy:
+        from pagoda.node_agent.bench.kv_decode import bench_kv_decode_heavy, plot_kv_decode_heavy
+
+        tokens = a.max_tokens if a.max_tokens is not None else 128
+        result = bench_kv_decode_heavy(
+            cfg, a.concurrency, a.prompt_tokens, tokens, a.threads, repeats=a.repeats
+        )
+        write_result(a.json, result, lambda p: plot_kv_decode_heavy(p, result), command_line(a))
+        return 0
+    tokens = a.max_tokens if a.max_tokens is not None else 24
+    result = bench_kv(cfg, a.concurrency, tokens, a.pages_per_seq, a.threads, repeats=a.repeats)
     write_result(a.json, result, lambda p: plot_kv(p, result), command_line(a))
     return 0
 
@@ -145,6 +175,11 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     return 0
 
 
+# benches that time pure decode steps of a full batch: the time budget (which sizes prefill chunks by
+# the clock, so the batch fills in a varying number of steps) is off unless --itl-target-ms asks
+STEP_TIMING = {"itl_target_ms": "off"}
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``pagoda bench`` and its benchmarks."""
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
@@ -166,7 +201,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--no-baseline", action="store_true", help="no baselines (Pagoda alone)")
     add_method_args(d, threads_default=0)
     d.add_argument("--json", default=None, help=JSON_HELP)
-    d.set_defaults(func=cmd_bench_decode, bench_parser=d)
+    d.set_defaults(func=cmd_bench_decode, bench_parser=d, **STEP_TIMING)
 
     p = bs.add_parser("integrity", help="decode overhead of the KV tag check (enforce vs off)")
     add_engine_args(p)
@@ -179,13 +214,50 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="decode steps timed with the whole batch running (256 on a GPU)",
     )
     add_method_args(p, threads_default=0)
+    p.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead: the fault soak (faults injected into live requests under page churn, every "
+        "outcome counted; exits 1 on a miss, false positive, bystander failure or leaked page)",
+    )
+    p.add_argument("--requests", type=positive_int, default=15000, help="soak: requests in all")
+    p.add_argument("--in-flight", type=positive_int, default=24, help="soak: requests kept live")
+    p.add_argument("--seed", type=int, default=0, help="soak: arrivals, prompts, victims and faults")
+    p.add_argument(
+        "--soak-real-model",
+        action="store_true",
+        help="soak: run --model's own weights (default: tiny random weights over its tokenizer)",
+    )
     p.add_argument("--json", default=None, help=JSON_HELP)
-    p.set_defaults(func=cmd_bench_integrity, bench_parser=p)
+    p.set_defaults(func=cmd_bench_integrity, bench_parser=p, **STEP_TIMING)
+
+    q = bs.add_parser("guided", help="constrained decoding: decode step time with json_schema masks vs none")
+    add_engine_args(q)
+    q.add_argument("--concurrency", type=parse_int_list, default=[1, 16])
+    q.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    q.add_argument(
+        "--output-len", type=int, default=16, help="decode steps timed with the whole batch running"
+    )
+    add_method_args(q, threads_default=0)
+    q.add_argument("--json", default=None, help=JSON_HELP)
+    q.set_defaults(func=cmd_bench_guided, bench_parser=q, **STEP_TIMING)
 
     k = bs.add_parser("kv", help="KV capacity and decode tok/s: bf16 vs fp8_e4m3 under one budget")
     add_engine_args(k)
     k.add_argument("--concurrency", type=parse_int_list, default=[1, 8, 16, 32, 64])
-    k.add_argument("--max-tokens", type=int, default=24, help="new tokens per sequence (at most)")
+    k.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="new tokens per sequence (default 24; --decode-heavy 128)",
+    )
+    k.add_argument(
+        "--decode-heavy",
+        action="store_true",
+        help="the KV-bound scenario: short prompts, long outputs, a budget where a 1-byte format holds every "
+        "stream of the top concurrency and bf16 about half; whole runs timed (queueing, preemption, recompute)",
+    )
+    k.add_argument("--prompt-tokens", type=int, default=16, help="--decode-heavy: tokens per prompt")
     k.add_argument(
         "--pages-per-seq",
         type=int,
@@ -199,7 +271,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="only bytes per token and capacity, from the model's config.json (no weights loaded, no decode)",
     )
     k.add_argument("--json", default=None, help=JSON_HELP)
-    k.set_defaults(func=cmd_bench_kv, bench_parser=k)
+    k.set_defaults(func=cmd_bench_kv, bench_parser=k, **STEP_TIMING)
 
     w = bs.add_parser("weights", help="decode/prefill tok/s and weight bytes: true bf16 vs fp8 vs int4")
     add_engine_args(w)
@@ -209,7 +281,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--prefill-prompts", type=int, default=4)
     add_method_args(w, threads_default=1)
     w.add_argument("--json", default=None, help=JSON_HELP)
-    w.set_defaults(func=cmd_bench_weights, bench_parser=w)
+    w.set_defaults(func=cmd_bench_weights, bench_parser=w, **STEP_TIMING)
 
     s = bs.add_parser("serve", help="live server: throughput, TTFT, ITL, prefix hit rate (both modes)")
     add_engine_args(s)

@@ -6,6 +6,7 @@ import argparse
 
 from pagoda.node_agent.engine.config import (
     DECODE_LM_HEADS,
+    ITL_TARGET_AUTO,
     KV_SCALE_GRANULARITIES,
     EngineConfig,
     ParallelConfig,
@@ -55,7 +56,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--itl-target-ms",
+        type=parse_itl_target,
+        default="auto",
+        help="time-budgeted steps: a prefill step may take what the inter-token target leaves after the "
+        "running batch's decode step; auto (default: 2x the decode step measured for the running batch), "
+        "a target in ms, or off (steps sized by --max-num-batched-tokens alone)",
+    )
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=32,
+        help="the time budget's floor: prompt tokens every prefill step may take, so prefill always "
+        "progresses (capped at --max-num-batched-tokens)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to render chats with instead of the model's own (e.g. one that "
+        "takes tools=, for tool calls in the model's format)",
+    )
     p.add_argument(
         "--int4-group-size",
         type=int,
@@ -141,6 +164,25 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_itl_target(text: str) -> str:
+    """--itl-target-ms: auto, off or a positive number of milliseconds (checked here, kept as text)."""
+    t = text.strip().lower()
+    if t in ("auto", "off"):
+        return t
+    try:
+        ok = float(t) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected auto, off or milliseconds > 0, got {text!r}")
+    return t
+
+
+def itl_target_ms(text: str) -> float | None:
+    """EngineConfig.itl_target_ms of an --itl-target-ms value (off: None, auto: ITL_TARGET_AUTO)."""
+    return None if text == "off" else ITL_TARGET_AUTO if text == "auto" else float(text)
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the engine flags describe (float32 alone means reference formats)."""
     explicit = any(
@@ -161,7 +203,10 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         page_size=a.page_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        itl_target_ms=itl_target_ms(getattr(a, "itl_target_ms", "off")),
+        min_prefill_tokens=getattr(a, "min_prefill_tokens", 32),
         max_model_len=a.max_model_len,
+        chat_template=getattr(a, "chat_template", None),
         integrity=a.integrity,
         int4_group_size=getattr(a, "int4_group_size", None),
         enable_prefix_caching=not a.no_prefix_caching,

@@ -42,6 +42,8 @@ def parse_baseline(text: str) -> str:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    if a.tools:
+        return cmd_eval_tools(a)
     entries = a.formats
     if a.prefill_weights or a.prefill_kv:  # the prefill flags apply to every short entry
         pre = f"{a.prefill_weights or 'bf16'}/{a.prefill_kv or 'bf16'}"
@@ -51,14 +53,41 @@ def cmd_eval(a: argparse.Namespace) -> int:
     result = bench_eval(
         engine_config_from_args(a),
         entries,
-        max_new_tokens=a.max_new_tokens,
-        num_prompts=a.num_prompts,
+        max_new_tokens=a.max_new_tokens or 24,
+        num_prompts=a.num_prompts or len(EVAL_PROMPTS),
         max_text_tokens=a.max_text_tokens,
         threads=a.threads,
         baseline=None if a.baseline == "none" else a.baseline,
         kv_granularities=a.kv_scale_granularities,
     )
-    write_result(a.json, result, lambda p: plot_eval(p, result))
+    write_result(a.json, result, lambda p: plot_eval(p, result), eval_command(a))
+    return 0
+
+
+def eval_command(a: argparse.Namespace) -> str:
+    """The ``pagoda eval`` command line that produced ``a`` (flags that differ from the defaults)."""
+    from pagoda.node_agent.cli.bench import command_line
+
+    return command_line(a, ["pagoda", "eval"], getattr(a, "eval_parser", None))
+
+
+def cmd_eval_tools(a: argparse.Namespace) -> int:
+    """``pagoda eval --tools``: tool-call validity and exact-match per format, constrained or not."""
+    from pagoda.node_agent.bench.common import engine_factory, set_threads
+    from pagoda.node_agent.bench.tool_eval import plot_tool_eval, run_tool_eval
+    from pagoda.node_agent.bench.tool_suite import CASES
+
+    set_threads(a.threads)
+    cfg = engine_config_from_args(a)
+    result = run_tool_eval(
+        engine_factory(cfg),
+        a.formats,
+        max_tokens=a.max_new_tokens or 256,
+        num_cases=min(a.num_prompts or len(CASES), len(CASES)),
+        kv_memory=cfg.kv_memory or 64 << 20,
+    )
+    result["model"] = cfg.model
+    write_result(a.json, result, lambda p: plot_tool_eval(p, result), eval_command(a))
     return 0
 
 
@@ -84,9 +113,21 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"run each FP8 KV entry once per FP8 KV scale granularity ({', '.join(KV_SCALE_GRANULARITIES)})",
     )
-    e.add_argument("--max-new-tokens", type=int, default=24)
-    e.add_argument("--num-prompts", type=int, default=len(EVAL_PROMPTS))
+    e.add_argument(
+        "--tools",
+        action="store_true",
+        help="score tool calls instead: validity and exact-match on the project's tool-call suite, "
+        "with the grammar (tool_choice=required) and without, for each --formats entry "
+        "(--max-new-tokens defaults to 256, --num-prompts to the whole suite)",
+    )
+    e.add_argument("--max-new-tokens", type=int, default=None, help="default 24 (--tools: 256)")
+    e.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"default {len(EVAL_PROMPTS)} (--tools: the whole suite)",
+    )
     e.add_argument("--max-text-tokens", type=int, default=None, help="score only this many text tokens")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
     e.add_argument("--json", default=None, help="write results here (and a PNG bar chart beside it)")
-    e.set_defaults(func=cmd_eval)
+    e.set_defaults(func=cmd_eval, eval_parser=e)

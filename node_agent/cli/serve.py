@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.node_agent.serving.api.toolcalls import PARSERS, REASONING_PARSERS
 from pagoda.node_agent.serving.launch import agent_command, free_port, is_ready
 from pagoda.vocabulary import SERVE_ROLES
 
@@ -19,6 +20,7 @@ log = logging.getLogger("pagoda.serve")
 DEFAULT_PORT = 8000
 EXIT_REPLICA_FAILED = 3  # a tensor-parallel rank died or hung: the replica exits with this code
 FATAL_FLUSH_S = 0.5  # error responses reach their clients before the process exits
+PUBLIC_CONNECTIONS_PER_CLIENT = 256
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +38,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--disaggregated",
         action="store_true",
         help="start a router, one prefill and one decode worker locally (ports P, P+1, P+2)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("auto", *PARSERS),
+        default="auto",
+        help="how tool calls are read from the model's replies (default: detected from the model's "
+        "family and chat template; 'generic': tools in a system prompt and a JSON reply)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("auto", "none", *REASONING_PARSERS),
+        default="auto",
+        help="separate <think> reasoning into reasoning_content (default: detected from the chat "
+        "template; 'none' turns it off)",
     )
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: from --model)")
     p.add_argument(
@@ -64,6 +80,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds to receive a whole request body before 408",
     )
+    add_http_limit_args(p)
     p.add_argument(
         "--tenant-secret",
         default=None,
@@ -79,7 +96,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs before 429"
     )
+    p.add_argument(
+        "--max-queue-time",
+        type=float,
+        default=None,
+        help="seconds a request may wait unscheduled: refused at once with 429 when the expected wait "
+        "is longer, ended with an error when it waits longer (default: no deadline)",
+    )
+    p.add_argument(
+        "--tenant-queue-share",
+        type=float,
+        default=0.5,
+        help="with --max-queue-time: the share of the queue's places one tenant may hold",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=None,
+        help="prompt text (a completion's prompt, or a chat's messages and tools) refused before "
+        "tokenizing above this many UTF-8 bytes (default on a worker: 16 bytes per token of the model "
+        "length; the router forwards prompts up to --max-body-bytes unless set)",
+    )
     p.add_argument("--prefill-endpoints", default="", help="router: prefill worker URLs, comma-separated")
     p.add_argument("--decode-endpoints", default="", help="router: decode worker URLs, comma-separated")
     p.add_argument(
@@ -139,12 +177,97 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decode worker: KV handoffs received at once (more: busy)",
     )
     p.add_argument(
+        "--force-fault-injection",
+        action="store_true",
+        help="allow --enable-fault-injection's drill endpoint on a non-loopback bind (drills only)",
+    )
+    p.add_argument(
+        "--kv-auth-timeout",
+        type=float,
+        default=5.0,
+        help="decode worker: seconds a KV connection may take to send a verified header (then closed)",
+    )
+    p.add_argument(
+        "--kv-max-connections",
+        type=int,
+        default=256,
+        help="decode worker: open KV connections in all (more are closed at once)",
+    )
+    p.add_argument(
+        "--kv-max-unauthenticated",
+        type=int,
+        default=128,
+        help="decode worker: KV connections before their header's MAC (over it the oldest is closed)",
+    )
+    p.add_argument(
+        "--kv-max-unauthenticated-per-peer",
+        type=int,
+        default=32,
+        help="decode worker: the same, per peer address",
+    )
+    p.add_argument(
+        "--kv-max-abs-value",
+        type=float,
+        default=65504.0,
+        help="decode worker: KV page values beyond +-this (or NaN/infinity) refuse the handoff",
+    )
+    p.add_argument(
         "--report-interval",
         type=float,
         default=None,
         help="agent report period in seconds (default: $PAGODA_REPORT_INTERVAL_S or 10)",
     )
     p.add_argument("--log-level", default="warning")
+
+
+def add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    """Connection limits of every HTTP server (node_agent/serving/api/http_limits.py)."""
+    p.add_argument(
+        "--http-head-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection must send a whole request head within this long of opening (and of its "
+        "previous response), else 408 and closed",
+    )
+    p.add_argument(
+        "--http-keepalive-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="an idle keep-alive connection is closed after this long",
+    )
+    p.add_argument("--http-max-head-bytes", type=int, default=64 << 10, help="largest request line + headers")
+    p.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=4096,
+        help="open connections in all; more are answered 503 and closed",
+    )
+    p.add_argument(
+        "--http-max-connections-per-client",
+        type=int,
+        default=None,
+        help="open connections per client address; more are answered 503 and closed (default: 256 "
+        "on the public API, roles both and router; no per-address cap on prefill/decode workers, "
+        "whose one client is the router)",
+    )
+
+
+def http_limits_from_args(a: argparse.Namespace):
+    """The HttpLimits of this process's server."""
+    from pagoda.node_agent.serving.api.http_limits import HttpLimits
+
+    per_client = a.http_max_connections_per_client
+    if per_client is None and a.role in ("both", "router"):
+        per_client = PUBLIC_CONNECTIONS_PER_CLIENT
+    return HttpLimits(
+        head_timeout_s=a.http_head_timeout,
+        keep_alive_s=a.http_keepalive_timeout,
+        max_head_bytes=a.http_max_head_bytes,
+        max_connections=a.http_max_connections,
+        max_connections_per_client=per_client,
+    )
 
 
 def served_names(a: argparse.Namespace) -> list[str]:
@@ -185,6 +308,7 @@ def build_app(a: argparse.Namespace, engine=None):
         prefill_dns = parse_dns_targets(a.prefill_dns, "--prefill-dns")
         decode_dns = parse_dns_targets(a.decode_dns, "--decode-dns")
     internal = auth_for_role(a.role, a.internal_token_file)  # before any model load: fail fast
+    drill = drill_auth(a, internal)  # --enable-fault-injection: its endpoint's proof (or a refusal)
     if a.role == "router":
         from pagoda.node_agent.serving.router.router import Router, RouterSettings
 
@@ -199,6 +323,9 @@ def build_app(a: argparse.Namespace, engine=None):
                 prefill_dns=prefill_dns,
                 decode_dns=decode_dns,
                 dns_refresh_s=a.dns_refresh_seconds,
+                tool_call_parser=a.tool_call_parser,
+                reasoning_parser=a.reasoning_parser,
+                model_name=served_names(a)[0],
             ),
             metrics,
             internal,
@@ -212,11 +339,13 @@ def build_app(a: argparse.Namespace, engine=None):
             on_startup=[router.start],
             on_shutdown=[router.stop],
         )
+        settings.max_prompt_bytes = a.max_prompt_bytes
         return create_app(router, settings)
 
     from pagoda.node_agent.engine.llm_engine import LLMEngine
     from pagoda.node_agent.serving.api.metrics import ServeMetrics
     from pagoda.node_agent.serving.worker.async_engine import AsyncEngine
+    from pagoda.node_agent.serving.worker.queue_deadline import QueuePolicy
 
     if engine is None:
         cfg = engine_config_from_args(a)
@@ -224,18 +353,34 @@ def build_app(a: argparse.Namespace, engine=None):
         engine = LLMEngine(cfg)
     holder: dict = {}
     metrics = ServeMetrics(pool_label(a.role), snapshot=lambda: holder["engine"].snapshot())
-    aeng = AsyncEngine(engine, metrics, max_queue=a.max_queue, model_name=a.model)
+    policy = QueuePolicy(a.max_queue_time, a.tenant_queue_share)
+    aeng = AsyncEngine(
+        engine,
+        metrics,
+        max_queue=a.max_queue,
+        model_name=a.model,
+        queue_policy=policy,
+        max_prompt_bytes=a.max_prompt_bytes,
+    )
     aeng.on_fatal = exit_on_fatal(engine)
     holder["engine"] = aeng
     settings = ApiSettings(served_names(a), tenancy, metrics, a.max_body_bytes, **public)
+    settings.max_prompt_bytes = aeng.max_prompt_bytes
     settings.on_startup.append(_async(aeng.start))
     settings.on_shutdown.append(_async(aeng.stop))
     _add_reporter(a, settings, aeng)
+    if drill is not None:
+        from pagoda.node_agent.serving.worker.fault_drill import fault_routes
+
+        settings.extra_routes.append(fault_routes(aeng, drill, metrics))
+    from pagoda.node_agent.serving.worker.chat_format import chat_format_of
+
+    chat_format = chat_format_of(engine, a.tool_call_parser, a.reasoning_parser)
     if a.role == "both":
         from pagoda.node_agent.serving.api.api_server import create_app
         from pagoda.node_agent.serving.worker.local_backend import LocalBackend
 
-        return create_app(LocalBackend(aeng), settings)
+        return create_app(LocalBackend(aeng, chat_format), settings)
     from pagoda.node_agent.serving.worker.disagg_worker import DisaggWorker
 
     worker = DisaggWorker(
@@ -250,11 +395,39 @@ def build_app(a: argparse.Namespace, engine=None):
         kv_frame_timeout_s=a.kv_frame_timeout,
         kv_deadline_s=a.kv_handoff_deadline,
         kv_max_handoffs=a.kv_max_handoffs,
+        chat_format=chat_format,
+        kv_limits=kv_limit_args(a),
     )
     settings.extra_routes.append(worker.routes)
     settings.on_startup.append(worker.start)
     settings.on_shutdown.append(worker.stop)
     return create_app(None, settings)
+
+
+def drill_auth(a: argparse.Namespace, internal):
+    """The internal proof the drill endpoint checks (None without --enable-fault-injection); raises
+    DrillRefused without a token, or on a non-loopback bind unless --force-fault-injection."""
+    if not getattr(a, "enable_fault_injection", False) or a.role == "router":
+        return None
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth, load_token
+    from pagoda.node_agent.serving.worker.fault_drill import check_drill_bind
+
+    if internal is None:  # role both has no internal plane of its own: the drill needs the token
+        token = load_token(a.internal_token_file)
+        internal = InternalAuth(token) if token else None
+    check_drill_bind(a.host, a.force_fault_injection, internal)
+    return internal
+
+
+def kv_limit_args(a: argparse.Namespace) -> dict[str, float | int]:
+    """The decode worker's KV connection limits from its flags (kv_limits.KVLimits fields)."""
+    return {
+        "auth_timeout_s": a.kv_auth_timeout,
+        "max_connections": a.kv_max_connections,
+        "max_unauthenticated": a.kv_max_unauthenticated,
+        "max_unauthenticated_per_peer": a.kv_max_unauthenticated_per_peer,
+        "max_abs_value": a.kv_max_abs_value,
+    }
 
 
 def _async(fn: Callable[[], object]):
@@ -344,9 +517,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return run_disaggregated(a)
     if is_follower(a):
         return serve_follower(a)
+    limits = http_limits_from_args(a)  # flag values first: fail before loading a model
     app = build_app(a)
     print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
-    return serve(app, app.state.drain, a.host, a.port, a.log_level)
+    return serve(app, app.state.drain, a.host, a.port, a.log_level, limits)
 
 
 def child_args(a: argparse.Namespace, role: str, port: int, extra: list[str]) -> list[str]:

@@ -23,6 +23,8 @@ from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, cont
 from pagoda.node_agent.engine.output import StopRules
 from pagoda.node_agent.engine.parallel.replica import LocalReplica, make_replica
 from pagoda.node_agent.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.node_agent.engine.step_budget import StepBudget
+from pagoda.node_agent.engine.step_cost import StepCostModel
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.llama import LlamaForCausalLM
@@ -62,6 +64,8 @@ def build_parts(
     loaded = loaded or load_model(config.model)
     mc = loaded.config
     tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+    if config.chat_template is not None:
+        tokenizer = tokenizer.with_chat_template(config.chat_template_text())
     if device.type == "cuda" and replica.world == 1:  # before any weight reaches the device
         _check_weights_fit(config, loaded, dtype, device)
     model = build_model(config, loaded, dtype, device, replica.group)
@@ -86,6 +90,7 @@ def build_parts(
         ),
         prefill_pool,
         decode_pool,
+        step_budget(config),
     )
     stop_rules = _stop_rules(mc, tokenizer, max_model_len)
     admission = Admission(prefill_pool, decode_pool, max_model_len, mc.vocab_size, config.max_num_seqs)
@@ -102,6 +107,20 @@ def build_parts(
         stop_rules,
         admission,
     )
+
+
+def step_budget(config: EngineConfig) -> StepBudget | None:
+    """The scheduler's time budget (None when ``itl_target_ms`` is None: tokens alone size steps).
+    Under tensor parallelism only rank 0 schedules, so its cost model times the whole replica's step."""
+    if config.itl_target_ms is None:
+        return None
+    f = config.formats
+    model = StepCostModel(
+        {"prefill": f"{f.prefill_weights}/{f.prefill_kv}", "decode": f"{f.decode_weights}/{f.decode_kv}"}
+    )
+    target = config.itl_target_ms / 1000 if config.itl_target_ms > 0 else None  # 0: auto
+    floor = min(config.min_prefill_tokens, config.max_num_batched_tokens)
+    return StepBudget(model, target, floor, config.page_size)
 
 
 def _check_weights_fit(

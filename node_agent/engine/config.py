@@ -114,6 +114,7 @@ def parse_bytes(text: str | int) -> int:
 
 
 MAX_TENSOR_PARALLEL = 64
+ITL_TARGET_AUTO = 0.0  # EngineConfig.itl_target_ms: derive the target from the device's decode step
 
 
 @dataclass
@@ -158,7 +159,14 @@ class EngineConfig:
     prefill_kv_fraction: float = 0.25  # of the KV budget for the prefill pool when its format differs
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # the time-budgeted step (engine/step_budget.py): None off (steps sized by tokens alone),
+    # ITL_TARGET_AUTO (0) a target derived from the device's decode step, > 0 a target in ms
+    itl_target_ms: float | None = None
+    min_prefill_tokens: int = (
+        32  # the budget's floor (capped at max_num_batched_tokens): prompt tokens every prefill step may take
+    )
     max_model_len: int | None = None  # None -> the model's context length
+    chat_template: str | None = None  # a Jinja chat template file used instead of the model's
     enable_prefix_caching: bool = True
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"
@@ -174,6 +182,18 @@ class EngineConfig:
     kernel_backend: str | None = None  # None = dispatch by device; "reference" forces the torch references
     seed: int = 0
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+
+    def chat_template_text(self) -> str:
+        """The --chat-template file's text (ValueError naming the file when it cannot be read)."""
+        assert self.chat_template is not None
+        try:
+            with open(self.chat_template, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {self.chat_template}: {exc.strerror or exc}") from exc
+        if not text.strip():
+            raise ValueError(f"--chat-template {self.chat_template}: the file is empty")
+        return text
 
     def validate(self) -> None:
         self.formats.validate()
@@ -204,6 +224,10 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < self.page_size:
             raise ConfigError("max_num_batched_tokens must be at least one page")
+        if self.itl_target_ms is not None and not self.itl_target_ms >= 0:
+            raise ConfigError(f"itl target must be auto or > 0 ms, got {self.itl_target_ms}")
+        if self.min_prefill_tokens < 1:  # above max_num_batched_tokens it is capped there
+            raise ConfigError(f"min_prefill_tokens must be at least 1, got {self.min_prefill_tokens}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
         self.parallel.validate()

@@ -3,14 +3,16 @@
 Each fault reproduces a bookkeeping bug the integrity layer must catch: a live sequence mapping a
 page that was freed and reallocated (use-after-free), a corrupted expected tag, and a sealed page
 whose bytes changed. The pool-level functions work on any pool and block table; ``FaultInjector``
-applies them to a running engine by request id. An engine exposes one as ``engine.faults`` only
+applies them to a running engine by request id, at once or armed for a request's next decode step
+(or the next N requests to decode: ``FaultArming``). An engine exposes one as ``engine.faults`` only
 when ``EngineConfig.fault_injection`` is set (``--enable-fault-injection``); the public API never
-reaches it.
+reaches it (the drill's endpoint is internal and authenticated: serving/worker/fault_drill.py).
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +114,7 @@ class FaultInjector:
         self.engine = engine
         self.rng = random.Random(seed)
         self.injected: list[Fault] = []
+        self.arming = FaultArming(self)
 
     def _seq(self, request_id: str) -> Sequence:
         seq = self.engine.sequence(request_id)
@@ -154,6 +157,70 @@ class FaultInjector:
         elif page not in pool.page_hash:
             raise FaultInjectionError(f"page {page} is not a sealed prefix-cache page")
         return self._record(corrupt_page(pool, page, self.rng))
+
+
+ARMABLE = ("stale_mapping", "flip_tag")  # faults aimed at a request's own block table
+MAX_ARMED = 1000  # faults waiting for their victims at once
+
+
+@dataclass
+class Armed:
+    """Faults waiting for victims: ``request_id``'s next decode step, or the next ``count``
+    requests to reach a decode step (``request_id`` None)."""
+
+    kind: str
+    request_id: str | None
+    count: int = 1
+
+
+class FaultArming:
+    """The faults armed from outside the engine thread (the drill endpoint), applied on it before
+    each step by ``apply``: a victim is a decoding sequence with a page mapped, each hit once."""
+
+    def __init__(self, injector: FaultInjector) -> None:
+        self.injector = injector
+        self.pending: list[Armed] = []
+        self.hit: set[str] = set()  # request ids already given a fault by arming
+        self._lock = threading.Lock()
+
+    def arm(self, kind: str, request_id: str | None = None, count: int = 1) -> Armed:
+        if kind not in ARMABLE:
+            raise FaultInjectionError(f"fault kind {kind!r} cannot be armed; one of {ARMABLE}")
+        if not 1 <= count <= MAX_ARMED:
+            raise FaultInjectionError(f"count must be in [1, {MAX_ARMED}]")
+        with self._lock:
+            if sum(a.count for a in self.pending) + count > MAX_ARMED:
+                raise FaultInjectionError(f"at most {MAX_ARMED} faults may wait at once")
+            armed = Armed(kind, request_id, 1 if request_id else count)
+            self.pending.append(armed)
+        return armed
+
+    def waiting(self) -> list[Armed]:
+        with self._lock:
+            return [Armed(a.kind, a.request_id, a.count) for a in self.pending]
+
+    def apply(self) -> list[Fault]:
+        """Inject the armed faults whose victims are decoding now (engine thread)."""
+        with self._lock:
+            if not self.pending:
+                return []
+            victims = [
+                s
+                for s in self.injector.engine.scheduler.running
+                if s.block_table and s.output_token_ids and s.request_id not in self.hit
+            ]
+            done = []
+            for armed in self.pending:
+                for seq in [s for s in victims if armed.request_id in (None, s.request_id)][: armed.count]:
+                    try:
+                        done.append(getattr(self.injector, armed.kind)(seq.request_id))
+                    except FaultInjectionError:
+                        continue  # not applicable to this one (e.g. no page to reallocate): the next
+                    self.hit.add(seq.request_id)
+                    victims.remove(seq)
+                    armed.count -= 1
+            self.pending = [a for a in self.pending if a.count > 0]
+        return done
 
 
 class DisabledFaults:

@@ -15,6 +15,7 @@ import torch
 from pagoda.node_agent.engine.integrity import IntegrityError, release_owned
 from pagoda.node_agent.engine.output import RequestOutput, RequestState
 from pagoda.node_agent.engine.parallel.group import ReplicaFailure
+from pagoda.node_agent.engine.sampling import StepSamples
 from pagoda.node_agent.engine.scheduler import ScheduledStep, Scheduler
 from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.engine.state import EngineStats
@@ -68,7 +69,7 @@ class FailureIsolation:
             raise  # the replica cannot run anything any more: no retry
         except Exception as exc:
             first = exc
-        sampled: dict[Sequence, int] = {}
+        sampled = StepSamples()  # the parts' tokens and logprobs, merged
         failed: dict[Sequence, Exception] = {}
         self._retry_halves(step, pool, gens, sampled, failed)
         if not failed:

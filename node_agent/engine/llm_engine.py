@@ -7,8 +7,8 @@ generation tag; failure isolation (isolation.py) runs the step through the Model
 (model_runner.py), which builds a StepBatch (models/batch.py) and runs the model (models/llama.py)
 on the replica (parallel/replica.py: this process, or every tensor-parallel rank); its layers call
 the kernels (pagoda.kernels); sampling.py picks the token; output.py applies the stop rules and
-detokenizes; ``step`` returns the outputs. build.py builds the parts, kv_setup.py sizes and
-calibrates the pools; prefill -> decode handoffs are built, validated and received in handoff.py.
+detokenizes; ``step`` returns the outputs (step_budget.py times it, when a budget sizes the steps).
+build.py builds the parts, kv_setup.py sizes and calibrates the pools; handoff.py the handoffs.
 
 Failures stay with the request that causes them: a handoff is validated before a page is taken and
 rolled back if it fails later; a step that raises is re-run in parts, and only a request that fails
@@ -24,11 +24,12 @@ import time
 
 import torch
 
-from pagoda.node_agent.engine import handoff
 from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.build import build_parts, log_ready
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.fault_injection import make_faults
+from pagoda.node_agent.engine.guided.cache import GrammarCache
+from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.engine.integrity import make_tracker
 from pagoda.node_agent.engine.isolation import FailureIsolation
 from pagoda.node_agent.engine.migration import migrate_prefilled
@@ -67,20 +68,14 @@ class LLMEngine:
         self.prefill_pool, self.decode_pool = parts.prefill_pool, parts.decode_pool
         self.scheduler, self.stop_rules, self.admission = parts.scheduler, parts.stop_rules, parts.admission
         self.integrity = make_tracker(config.integrity, config.kernel_backend)
+        self.grammars = GrammarCache(self.tokenizer, self.model_config.vocab_size, self.stop_rules.eos_ids)
         self.faults = make_faults(self, config.fault_injection)  # raises on use unless enabled
         self.stats = EngineStats()
         self._requests: dict[str, RequestState] = {}
         self._ready: list[RequestOutput] = []  # requests that ended outside a step
         self.isolation = FailureIsolation(self.runner, self.scheduler, self.stats, self._requests)
-        self.postprocess = Postprocessor(
-            self.scheduler,
-            self.integrity,
-            self.replica,
-            self.stats,
-            self._requests,
-            self.tokenizer,
-            self.stop_rules,
-        )
+        shared = (self.scheduler, self.integrity, self.replica, self.stats, self._requests)
+        self.postprocess = Postprocessor(*shared, self.tokenizer, self.stop_rules)
         self._weight_breakdown = self.model.weight_bytes()  # by part and format (models/weight_bytes.py)
         self._weight_bytes = int(self._weight_breakdown["total"])
         log_ready(parts, self.dtype, self.device, t0)
@@ -119,6 +114,7 @@ class LLMEngine:
         chat: bool = False,
         cache_salt: str = "",
         prefill_only: bool = False,
+        grammar=None,  # params.guided compiled (serving compiles off this thread); None: compiled here
     ) -> str:
         """Validate and queue a request; returns its id. Raises RequestError on bad input."""
         params = params or SamplingParams()
@@ -127,13 +123,17 @@ class LLMEngine:
         self.admission.check_prompt(ids, params, prefill_only)
         rid = self.admission.new_id(request_id, self._requests)
         seq = Sequence(rid, ids, params, cache_salt)
-        seq.prefill_only = prefill_only
+        seq.prefill_only, seq.grammar = prefill_only, self.grammars.state_for(params, grammar)
         self._requests[rid] = RequestState(seq, self.tokenizer, self.stop_rules)
         self.scheduler.add(seq)
         return rid
 
     def add_prefilled(
-        self, payload: handoff.KVPayload, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        payload: KVPayload,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        grammar=None,
     ) -> str:
         """Continue decoding a sequence prefilled elsewhere: fresh tagged pages, converted on arrival.
 
@@ -151,6 +151,7 @@ class LLMEngine:
         except OutOfPages as exc:  # receive released what it took
             raise CapacityError("decode KV pool is full; retry later") from exc
         try:
+            seq.grammar = self.grammars.state_for(params, grammar)  # replays the first token below
             self._ready += self.postprocess.admit_received(seq, payload.first_token)
         except BaseException:
             self.isolation.discard(seq)
@@ -202,6 +203,7 @@ class LLMEngine:
         if step is None:
             return outputs
         done, post_errors = self.postprocess.outputs(step, pool, sampled)
+        self.scheduler.step_done()  # with a time budget, the step's time refines its cost model
         return outputs + done + self.isolation.fail_all(post_errors)
 
     def _migrate_prefilled(self) -> list[RequestOutput]:

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.kernels.fp8_block import Fp8BlockWeight
 from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE
 from pagoda.node_agent.engine.config import ConfigError, EngineConfig
 from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.node_agent.models.config import ModelLoadError
-from pagoda.node_agent.models.layers import PHASES, prequantized_format
+from pagoda.node_agent.models.layers import PHASES, as_stored, prequantized_format
 from pagoda.vocabulary import PHASE_DEFAULTS
 
 log = logging.getLogger("pagoda.engine")
@@ -52,14 +53,13 @@ def linear_bytes(
     dtype: torch.dtype,
     group_size: int | None = None,
     int4_compute: str = DEFAULT_INT4_COMPUTE,
-    expert: bool = False,
 ) -> int:
     """Resident bytes of one linear weight (or expert stack) held in ``fmt``: dense in the compute
     dtype, FP8 with a float32 scale per output row, INT4 packed two to a byte with per-group
     parameters: float32 scale, zero point and offset for float32 compute on a float32 CPU engine
     (the exact kernel's inputs), a 2-byte scale and zero otherwise. A prequantized weight served in
-    its own format counts as the CPU will hold it (INT4) or as stored. Routed experts (``expert``)
-    live in the MoE stacks, whose INT4 keeps 2-byte parameters."""
+    its own format counts as the CPU will hold it (INT4) or as stored. Routed experts count alike:
+    their stacks hold each expert as the INT4 linear layer does."""
     if prequantized_format(w) == fmt:
         if fmt == "int4" and dtype == torch.float32:
             return int(w.resident_nbytes(int4_compute))  # type: ignore[attr-defined]
@@ -75,7 +75,7 @@ def linear_bytes(
         g = group_size or INT4_DEFAULT_GROUP
         while g > 32 and cols % g:
             g //= 2
-        per_group = 9 if (dtype == torch.float32 and int4_compute == "float32" and not expert) else 4
+        per_group = 9 if (dtype == torch.float32 and int4_compute == "float32") else 4
         return numel // 2 + (numel // g) * per_group
     return numel * torch.empty((), dtype=dtype).element_size()
 
@@ -126,12 +126,15 @@ def estimate_weight_bytes(
             add(dense, int(getattr(w, "nbytes", 0)))  # an object of unknown layout: as stored
         elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in weights:
             for fmt in held:  # a linear layer's bias: compute dtype beside a dense weight, else float32
+                fmt = as_stored(fmt, weights[name.removesuffix(".bias") + ".weight"])
                 add(fmt, _shape(w)[0] * (elem if fmt == "bf16" else 4))
         elif prequantized_format(w) is None and w.dim() < 2:  # type: ignore[attr-defined]
             add(dense, _shape(w)[0] * elem)  # norms and biases
         else:
-            for fmt in held:
-                add(fmt, linear_bytes(w, fmt, dtype, group_size, int4_compute, ".mlp.experts." in name))
+            for fmt in held:  # FP8 blocks serve the fp8 format as stored, counted as the model does
+                fmt = as_stored(fmt, w)
+                label = "fp8_block" if fmt == "fp8" and isinstance(w, Fp8BlockWeight) else fmt
+                add(label, linear_bytes(w, fmt, dtype, group_size, int4_compute))
     return WeightEstimate(sum(by_format.values()), dict(sorted(by_format.items())))
 
 

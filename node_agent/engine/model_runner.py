@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from typing import NamedTuple, Protocol
 
 import torch
 
 from pagoda.kernels.selector import select_kernels
 from pagoda.node_agent.engine.block_tables import block_table_tensor
 from pagoda.node_agent.engine.config import EngineConfig
-from pagoda.node_agent.engine.sampling import sample
+from pagoda.node_agent.engine.logprobs import prompt_spans, score_prompts
+from pagoda.node_agent.engine.sampling import StepSamples, sample
 from pagoda.node_agent.engine.scheduler import ScheduledStep
 from pagoda.node_agent.engine.sequence import Sequence
 from pagoda.node_agent.kv.pool import KVPagePool
@@ -24,7 +26,10 @@ from pagoda.node_agent.models.parallel import (
     mlp_units,
     shard_weights,
 )
+from pagoda.node_agent.models.weight_bytes import phase_format_bytes
 from pagoda.node_agent.params import SamplingParams
+
+log = logging.getLogger("pagoda.engine")
 
 
 def build_model(
@@ -58,7 +63,7 @@ def _build(
     kernels = select_kernels(
         device, dtype, config.kernel_backend, config.int4_compute, config.allow_kernel_fallback
     )
-    return LlamaForCausalLM(
+    model = LlamaForCausalLM(
         cfg,
         weights,
         formats,
@@ -70,12 +75,15 @@ def _build(
         head_phases_shared=config.role == "decode",
         tp=tp,
     )
+    for phase, by_fmt in phase_format_bytes(model).items():
+        log.info("%s weights by format: %s", phase, ", ".join(f"{f} {n}" for f, n in by_fmt.items()))
+    return model
 
 
 def context_limit(config: EngineConfig, mc: ModelConfig) -> int:
-    """Tokens one sequence may hold: the configured length within the model's (and its window)."""
-    limit = min(config.max_model_len or mc.max_position, mc.max_position)
-    return min(limit, mc.sliding_window) if mc.sliding_window else limit
+    """Tokens one sequence may hold: the configured length within the model's (a sliding window
+    limits what each query sees, not the context)."""
+    return min(config.max_model_len or mc.max_position, mc.max_position)
 
 
 def _slot_mapping(
@@ -88,6 +96,15 @@ def _slot_mapping(
         raise RuntimeError("a scheduled token has no KV page mapped in its block table")
     at = pages.device
     return pages.long()[row.to(at), block.to(at)] * ps + (pos % ps).to(at)
+
+
+class LogitRows(NamedTuple):
+    """Where a step's logits rows go: ``sample`` (one per sampling sequence, in order) and ``prompt``
+    (indices of the rows scoring the prompt positions of ``spans``: (seq, lo, hi) each)."""
+
+    sample: list[int]
+    prompt: list[int]
+    spans: list[tuple[Sequence, int, int]]
 
 
 class Replica(Protocol):
@@ -124,12 +141,24 @@ class ModelRunner:
 
         ``tables`` are the step's block tables when the caller built them already (the integrity
         check reads the same ones); no Python loop runs per token, only per sequence."""
+        batch, samplers, _ = self.build_step(step, pool, tables)
+        return batch, samplers
+
+    def build_step(
+        self,
+        step: ScheduledStep,
+        pool: KVPagePool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[StepBatch, list[Sequence], LogitRows]:
+        """``build_batch``, and which rows of the step's logits sample and which score prompt tokens
+        (the prompt logprobs of the sequences that asked, each position once, chunk by chunk)."""
         ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         cu = [0]
         logit_rows: list[int] = []
         samplers: list[Sequence] = []
+        rows = LogitRows([], [], [])
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             n_prompt = len(seq.prompt_token_ids)
@@ -139,9 +168,30 @@ class ModelRunner:
             starts.append(start)
             lens.append(n)
             cu.append(cu[-1] + n)
+            lo, hi = prompt_spans(seq, start, n)
+            if hi > lo:  # position j's logits score prompt token j + 1
+                rows.spans.append((seq, lo, hi))
+                rows.prompt.extend(range(len(logit_rows), len(logit_rows) + hi - lo))
+                logit_rows += range(cu[-2] + lo - start, cu[-2] + hi - start)
             if start + n == seq.num_tokens:  # reached the newest token: sample the next one
+                rows.sample.append(len(logit_rows))
                 logit_rows.append(cu[-1] - 1)
                 samplers.append(seq)
+        batch = self._tensors(step, pool, tables, ids, starts, lens, cu, logit_rows)
+        return batch, samplers, rows
+
+    def _tensors(
+        self,
+        step: ScheduledStep,
+        pool: KVPagePool,
+        tables: tuple[torch.Tensor, torch.Tensor] | None,
+        ids: list[int],
+        starts: list[int],
+        lens: list[int],
+        cu: list[int],
+        logit_rows: list[int],
+    ) -> StepBatch:
+        """The StepBatch of the step's gathered token ids, chunk starts and lengths."""
         dev = self.device
         pages = (tables if tables is not None else block_table_tensor(step.seqs, dev))[0]
         n_tok = cu[-1]
@@ -156,7 +206,7 @@ class ModelRunner:
             pos = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - first, lens_t)
             pos = pos + torch.arange(n_tok)
         slots = _slot_mapping(pages, step.seqs, pos, row, pool.page_size)
-        batch = StepBatch(
+        return StepBatch(
             phase=step.phase,
             kv=pool,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -168,7 +218,6 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             kernel_backend=self.kernel_backend,
         )
-        return batch, samplers
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], pool: KVPagePool, phase: str = "decode") -> torch.Tensor:
@@ -188,11 +237,21 @@ class ModelRunner:
         step: ScheduledStep,
         pool: KVPagePool,
         tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> dict[Sequence, int]:
-        """Run one step; returns the sampled token for each sequence that reached its newest token."""
-        batch, samplers = self.build_batch(step, pool, tables)
-        if not samplers:
+    ) -> StepSamples:
+        """Run one step; returns the sampled token for each sequence that reached its newest token
+        (a dict), with the logprobs and the prompt logprobs of the sequences that asked beside it."""
+        batch, samplers, rows = self.build_step(step, pool, tables)
+        if not samplers and not rows.spans:
             self.forward(batch, pool, logits=False)
-            return {}
+            return StepSamples()
         logits = self.forward(batch, pool)
-        return dict(zip(samplers, sample(logits, samplers), strict=True))
+        prompt = {}
+        if rows.spans:
+            at = torch.tensor(rows.prompt, device=logits.device)
+            prompt = score_prompts(logits[at], rows.spans)
+            logits = logits[torch.tensor(rows.sample, dtype=torch.long, device=logits.device)]
+        if not samplers:
+            return StepSamples(prompt_logprobs=prompt)
+        picked = sample(logits, samplers)
+        lps = {s: e for s, e in zip(samplers, picked.logprobs, strict=True) if e is not None}
+        return StepSamples(zip(samplers, picked.tokens, strict=True), lps, prompt)

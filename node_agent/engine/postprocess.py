@@ -6,6 +6,7 @@ output. A failure here ends only its own request (the loop fails the requests th
 from __future__ import annotations
 
 from pagoda.node_agent.engine import handoff
+from pagoda.node_agent.engine.guided import state as guided
 from pagoda.node_agent.engine.isolation import log_failure
 from pagoda.node_agent.engine.output import RequestOutput, RequestState, StopRules
 from pagoda.node_agent.engine.parallel.group import ReplicaFailure
@@ -42,6 +43,8 @@ class Postprocessor:
     ) -> tuple[list[RequestOutput], dict[Sequence, str]]:
         """(the outputs of the requests that sampled a token, an error per request that failed here)."""
         self._advance(step)
+        for seq, entries in getattr(sampled, "prompt_logprobs", {}).items():
+            seq.prompt_logprobs += entries  # positions in order, each scored once (logprobs.prompt_spans)
         errors: dict[Sequence, str] = {}
         payloads = self._take_tokens(sampled, errors)
         self._seal_and_finish(step, pool, errors)
@@ -51,6 +54,10 @@ class Postprocessor:
         """Register a sequence received in the decode pool: it decodes next, or ends at once on its
         first token (its final output, which the next step reports)."""
         state = RequestState(seq, self.tokenizer, self.stop_rules)
+        guided.advance(seq, first_token)  # a fresh matcher replays the token the prefill side sampled
+        if seq.params.logprobs is not None:
+            seq.logprobs = [None]  # sampled on the prefill worker, whose answer carries its entry
+        state = RequestState(seq, self.tokenizer, self.stop_rules, received=True)
         state.check_stop(first_token)
         if seq.finished:
             self.scheduler.decode_pool.release_all(seq.block_table)
@@ -80,6 +87,9 @@ class Postprocessor:
         for seq, tok in sampled.items():
             try:
                 seq.output_token_ids.append(tok)
+                guided.advance(seq, tok)  # its grammar's matcher accepts it (or fails the request)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(getattr(sampled, "logprobs", {}).get(seq))
                 self.requests[seq.request_id].check_stop(tok)
                 if seq.prefill_only and not seq.finished:
                     meta = self.integrity.payload_meta

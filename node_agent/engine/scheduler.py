@@ -2,7 +2,9 @@
 
 A step is either a *prefill* step (chunks of prompts, up to a token budget) or a *decode* step (one
 token for every running sequence). The two alternate while both have work, so new prompts join
-between decode steps without stalling running streams. Admission needs free pages above a
+between decode steps. With a time budget (step_budget.py) the prefill chunks are also sized so that
+the decode step and the prefill step between two tokens of a running stream fit an inter-token
+target (a floor of tokens always goes through). Admission needs free pages above a
 watermark; when decode runs out of pages the newest running sequence is preempted (its pages are
 freed and it is recomputed later from its tokens, so its output is unchanged). FCFS throughout.
 """
@@ -11,10 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pagoda.node_agent.engine.integrity import release_owned
+from pagoda.node_agent.engine.scheduled_step import ScheduledStep
 from pagoda.node_agent.engine.sequence import SeqStatus, Sequence
+from pagoda.node_agent.engine.step_budget import PrefillPlan, StepBudget
 from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages, PageRef
 from pagoda.node_agent.kv.prefix_index import page_hashes
 
@@ -30,33 +34,23 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
 
-@dataclass
-class ScheduledStep:
-    phase: str  # "prefill" | "decode"
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens each sequence computes in this step
-    preempted: list[Sequence] = field(default_factory=list)
-
-    def excluding(self, drop: Collection[Sequence]) -> ScheduledStep | None:
-        """The same step without ``drop`` (failed its integrity check); None when nothing is left."""
-        keep = [(s, n) for s, n in zip(self.seqs, self.num_new_tokens, strict=True) if s not in drop]
-        if not keep:
-            return None
-        return ScheduledStep(self.phase, [s for s, _ in keep], [n for _, n in keep], self.preempted)
-
-    def only(self, seqs: Collection[Sequence]) -> ScheduledStep:
-        """The same step for ``seqs`` alone (each with its token count), to isolate a failure."""
-        keep = [(s, n) for s, n in zip(self.seqs, self.num_new_tokens, strict=True) if s in seqs]
-        return ScheduledStep(self.phase, [s for s, _ in keep], [n for _, n in keep])
+def _scores_prompt(seq: Sequence) -> bool:
+    """Prompt logprobs still to compute: the prompt runs whole, past any prefix-cache hit."""
+    p = seq.params.prompt_logprobs
+    return p is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids) - 1
 
 
 class Scheduler:
     """Owns the waiting queue and running set and maps sequences' tokens onto KV pages."""
 
     def __init__(
-        self, config: SchedulerConfig, prefill_pool: KVPagePool, decode_pool: KVPagePool | None = None
+        self,
+        config: SchedulerConfig,
+        prefill_pool: KVPagePool,
+        decode_pool: KVPagePool | None = None,
+        budget: StepBudget | None = None,
     ) -> None:
-        self.config = config
+        self.config, self.budget = config, budget  # budget: None schedules by the token budget alone
         self.prefill_pool = prefill_pool  # prompt chunks and the prefix cache live here
         # decode reads/writes here (the same pool when formats match)
         self.decode_pool = decode_pool or prefill_pool
@@ -65,6 +59,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._last_phase = "decode"
         self.num_preemptions = 0
+        self.preemptions_by_pool = dict.fromkeys(self.pools, 0)  # the pool the victim's pages were in
         self.prefix_hit_tokens = 0
 
     # ------------------------------------------------------------------ queue
@@ -102,7 +97,11 @@ class Scheduler:
         return self.pool_of(seq) is self.decode_pool
 
     def free_pages(self, seq: Sequence) -> None:
-        self.pool_of(seq).release_all(seq.block_table)
+        pool = self.pool_of(seq)
+        if any(pool.allocator.is_stale(r) for r in seq.block_table):  # a corrupted expected tag
+            release_owned(seq, pool, self.running + list(self.waiting))
+        else:
+            pool.release_all(seq.block_table)
         seq.pool_name = self.prefill_pool.name
         seq.block_table = []
         seq.page_hashes = []
@@ -111,11 +110,23 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> ScheduledStep | None:
-        """Pick the next step; None when there is nothing to do."""
+        """Pick the next step (timed by the budget until ``step_done``); None when there is nothing to do."""
+        step = self._pick()
+        if step is not None and self.budget is not None:
+            self.budget.started(step.phase, step.seqs, step.num_new_tokens)
+        return step
+
+    def step_done(self) -> None:
+        """The engine ran the step ``schedule`` returned last: its time refines the cost model."""
+        if self.budget is not None:
+            self.budget.finished()
+
+    def _pick(self) -> ScheduledStep | None:
         decode_ready = [s for s in self.running if not s.needs_prefill and self.in_decode_pool(s)]
         want_prefill = bool(self.waiting) or any(s.needs_prefill for s in self.running)
         if want_prefill and (not decode_ready or self._last_phase == "decode"):
-            step = self._schedule_prefill()
+            plan = self.budget.plan(decode_ready) if self.budget is not None else None
+            step = self._schedule_prefill(plan)
             if step is not None:
                 self._last_phase = "prefill"
                 return step
@@ -132,10 +143,11 @@ class Scheduler:
         if len(holders) > 1 and self.prefill_pool.num_free == 0:
             # prefills hold pages but none can grow: free the newest and retry (it is recomputed later)
             self._preempt(max(holders, key=lambda s: s.arrival))
-            return self.schedule()
+            return self._pick()
         return None
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
+    def _schedule_prefill(self, plan: PrefillPlan | None) -> ScheduledStep | None:
+        """Chunks of prompts within the token budget (and, with a ``plan``, its time budget)."""
         budget = self.config.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
@@ -144,7 +156,9 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(budget, seq.num_tokens - seq.num_computed_tokens)
-            n = self._reserve(seq, n, self.prefill_pool)
+            n = self._reserve(seq, plan.fit(seq, n) if plan else n, self.prefill_pool)
+            if n > 0 and plan:
+                plan.take(seq, n)
             if n > 0:
                 seqs.append(seq)
                 counts.append(n)
@@ -156,7 +170,7 @@ class Scheduler:
             if not seq.block_table:
                 self._match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(budget, remaining)
+            n = plan.fit(seq, min(budget, remaining)) if plan else min(budget, remaining)
             need = self._pages_needed(seq, n)
             if self.prefill_pool.num_free - need < watermark and self.running:
                 break
@@ -168,6 +182,8 @@ class Scheduler:
             n = self._reserve(seq, n, self.prefill_pool)
             if n <= 0:
                 break
+            if plan:
+                plan.take(seq, n)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -223,7 +239,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         """Map cached full pages of the prompt (never the page holding the last token)."""
         seq.pool_name = self.prefill_pool.name
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or _scores_prompt(seq):
             return
         ps = self.prefill_pool.page_size
         usable = (seq.num_tokens - 1) // ps
@@ -274,6 +290,7 @@ class Scheduler:
         """Free a running sequence's pages and requeue it first; it will be recomputed."""
         log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
+        self.preemptions_by_pool[self.pool_of(seq).name] += 1
         self.free_pages(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1

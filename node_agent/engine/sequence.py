@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.node_agent.kv.pool import PageRef
 from pagoda.node_agent.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagoda.node_agent.engine.guided.state import GrammarState
 
 _arrival = itertools.count()
 
@@ -42,6 +46,12 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.generator: torch.Generator | None = None
+        self.grammar: GrammarState | None = None  # a constrained request's matcher (engine/guided/)
+        # logprobs (engine/logprobs.py TokenLogprobs), kept only when the request asked: one per output
+        # token (None for a token sampled on another worker), and one per prompt position scored so
+        # far (position j scores prompt token j + 1)
+        self.logprobs: list = []
+        self.prompt_logprobs: list = []
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -49,6 +49,9 @@ class EngineState:
     stats: EngineStats
     # the model's weight_bytes(): bytes by part, "linear", "total" and "by_format" (models/weight_bytes.py)
     weight_breakdown: dict[str, Any] = field(default_factory=dict)
+    preemptions_by_pool: dict[str, int] = field(default_factory=dict)  # by the KV pool the victim was in
+    # the time budget's BudgetStats.as_dict() (engine/step_budget.py); {} when steps are sized by tokens
+    step_budget: dict[str, Any] = field(default_factory=dict)
 
 
 def engine_state(engine) -> EngineState:
@@ -68,5 +71,7 @@ def engine_state(engine) -> EngineState:
         weight_breakdown=engine._weight_breakdown,
         prefix_hit_tokens=engine.scheduler.prefix_hit_tokens,
         preemptions=engine.scheduler.num_preemptions,
+        preemptions_by_pool=dict(engine.scheduler.preemptions_by_pool),
+        step_budget=engine.scheduler.budget.stats.as_dict() if engine.scheduler.budget else {},
         stats=dataclasses.replace(engine.stats, step_seconds=dict(engine.stats.step_seconds)),
     )

@@ -4,16 +4,12 @@ Two ``quantization_config`` forms of config.json are understood:
 
   * DeepSeek-V3 / Kimi FP8 (``quant_method: fp8``, ``fmt: e4m3``, ``weight_block_size [bn, bk]``,
     dynamic activations): ``X.weight`` float8_e4m3fn [N, K] plus ``X.weight_scale_inv`` float32
-    [ceil(N/bn), ceil(K/bk)], one scale per block. Kernels' FP8 weights carry one scale per output
-    row, so each tensor is requantized per row in float32, ``bn`` rows at a time (never the whole
-    model in a wider dtype).
-  * compressed-tensors ``pack-quantized`` W4A16 (Kimi K2's INT4 release; symmetric, group-wise):
-    ``X.weight_packed`` int32 [N, K/8] (value 8c+i of a row in bits 4i..4i+3 of int32 c, stored
-    +8; as compressed-tensors' ``pack_to_int32`` / ``unpack_from_int32`` in
-    compressors/quantized_compressors/pack_quantized.py write and read it), ``X.weight_scale``
-    [N, K/g], ``X.weight_shape`` [2]. On a little-endian host the int32
-    words read as bytes are exactly kernels.int4's canonical packing (value 2j in the low nibble
-    of byte j), so the packed tensor is used as is: no unpacking, no float detour.
+    [ceil(N/bn), ceil(K/bk)], one scale per block (partial edge blocks included). Kept as stored
+    (kernels.fp8_block's Fp8BlockWeight, routed experts as an ``fp8_block`` ExpertStack): an
+    ``fp8`` phase computes with the block scales, any other format dequantizes the exact values.
+  * compressed-tensors (llmcompressor's output): W4A16 symmetric or with zero points, act-ordered
+    or not, and W8A16; see ``compressed_tensors_format``. INT4 group weights view the stored
+    nibbles (Int4Weight); 8-bit weights and scattering act-order indices dequantize exactly.
 
   * GPTQ (``quant_method: gptq``) and AWQ (``quant_method: awq``, GEMM packing) W4A16: read into
     Int4Weight with integer arithmetic only; see ``gptq_awq``.
@@ -23,20 +19,25 @@ Everything else in such a checkpoint (norms, embeddings, unquantized layers) is 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from pagoda.kernels.fp8 import Fp8Weight
-from pagoda.kernels.fp8_format import FP8_DTYPE, quantize_fp8_weight
-from pagoda.kernels.int4 import SUPPORTED_GROUPS, Int4Weight
+from pagoda.kernels.fp8_block import Fp8BlockWeight, concat_block_rows
+from pagoda.kernels.fp8_format import FP8_DTYPE
+from pagoda.kernels.int4 import Int4Weight
+from pagoda.node_agent.models.compressed_tensors_format import (
+    CtConfig,
+    convert_compressed_tensors,
+    parse_compressed_tensors,
+)
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.gptq_awq import AWQ, GPTQ, convert_gptq_awq, parse_awq, parse_gptq
 
 FP8_BLOCK = "fp8_block"
-PACK_INT4 = "pack_int4"
+COMPRESSED = "compressed-tensors"
 # Weights the model reads as plain tensors (embedding, LM head, MoE router, MLA's kv_b_proj whose
 # weight is split into per-head views): dequantized if a checkpoint quantized them.
 _DENSE_ONLY_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "kv_b_proj.weight")
@@ -46,11 +47,12 @@ _DENSE_ONLY_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weigh
 class CheckpointQuant:
     """What a checkpoint's ``quantization_config`` asks for, once validated."""
 
-    method: str  # FP8_BLOCK | PACK_INT4 | GPTQ | AWQ
+    method: str  # FP8_BLOCK | COMPRESSED | GPTQ | AWQ
     block: tuple[int, int] = (0, 0)  # FP8: weight_block_size [rows, cols]
     group_size: int = 0  # INT4
     symmetric: bool = True  # GPTQ's sym
     zero_offset: int = 0  # GPTQ v1 stores zero - 1: added back on load
+    compressed: CtConfig | None = None  # compressed-tensors: the schemes and the ignore list
 
 
 def parse_quantization_config(raw: dict) -> CheckpointQuant | None:
@@ -65,8 +67,8 @@ def parse_quantization_config(raw: dict) -> CheckpointQuant | None:
     method = qc.get("quant_method")
     if method == "fp8":
         return _parse_fp8(qc)
-    if method == "compressed-tensors":
-        return _parse_compressed_tensors(qc)
+    if method == COMPRESSED:
+        return CheckpointQuant(COMPRESSED, compressed=parse_compressed_tensors(qc))
     if method == GPTQ:
         g, sym, offset = parse_gptq(qc)
         return CheckpointQuant(GPTQ, group_size=g, symmetric=sym, zero_offset=offset)
@@ -74,7 +76,7 @@ def parse_quantization_config(raw: dict) -> CheckpointQuant | None:
         return CheckpointQuant(AWQ, group_size=parse_awq(qc), symmetric=False)
     raise ModelLoadError(
         f"unsupported quantization_config.quant_method {method!r}; supported: 'fp8' (block-scaled "
-        "e4m3, DeepSeek-V3 style), 'compressed-tensors' (pack-quantized symmetric INT4 W4A16), "
+        "e4m3, DeepSeek-V3 style), 'compressed-tensors' (pack-quantized W4A16 and W8A16), "
         "'gptq' and 'awq' (4-bit W4A16)"
     )
 
@@ -101,58 +103,9 @@ def _parse_fp8(qc: dict) -> CheckpointQuant:
     return CheckpointQuant(FP8_BLOCK, block=(block[0], block[1]))
 
 
-def _parse_compressed_tensors(qc: dict) -> CheckpointQuant:
-    fmt = qc.get("format")
-    if fmt != "pack-quantized":
-        raise ModelLoadError(
-            f"unsupported compressed-tensors format {fmt!r}; only 'pack-quantized' (INT4 W4A16) is supported"
-        )
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise ModelLoadError("compressed-tensors quantization_config has no config_groups")
-    sizes = set()
-    for name, grp in groups.items():
-        if not isinstance(grp, dict):
-            raise ModelLoadError(f"compressed-tensors config_groups.{name} must be an object")
-        for act in ("input_activations", "output_activations"):
-            if grp.get(act) is not None:
-                raise ModelLoadError(
-                    f"compressed-tensors config_groups.{name}.{act} is set: activation quantization is not "
-                    "supported (weight-only W4A16 only)"
-                )
-        w = grp.get("weights")
-        if not isinstance(w, dict):
-            raise ModelLoadError(f"compressed-tensors config_groups.{name}.weights must be an object")
-        where = f"compressed-tensors config_groups.{name}.weights"
-        if w.get("num_bits") != 4:
-            raise ModelLoadError(
-                f"{where}.num_bits is {w.get('num_bits')!r}; only 4-bit weights are supported"
-            )
-        if w.get("type", "int") != "int":
-            raise ModelLoadError(f"{where}.type is {w.get('type')!r}; only 'int' is supported")
-        if w.get("symmetric") is not True:
-            raise ModelLoadError(
-                f"{where}.symmetric is {w.get('symmetric')!r}; only symmetric INT4 is supported"
-            )
-        if w.get("strategy") != "group":
-            raise ModelLoadError(f"{where}.strategy is {w.get('strategy')!r}; only 'group' is supported")
-        if w.get("actorder") not in (None, False):
-            raise ModelLoadError(
-                f"{where}.actorder is {w.get('actorder')!r}; activation ordering is not supported"
-            )
-        g = w.get("group_size")
-        if g not in SUPPORTED_GROUPS:
-            raise ModelLoadError(
-                f"{where}.group_size is {g!r}; supported: {', '.join(map(str, SUPPORTED_GROUPS))}"
-            )
-        sizes.add(g)
-    if len(sizes) != 1:
-        raise ModelLoadError(f"compressed-tensors config_groups use several group sizes {sorted(sizes)}")
-    return CheckpointQuant(PACK_INT4, group_size=sizes.pop())
-
-
 def convert_checkpoint(weights: dict[str, Tensor], q: CheckpointQuant) -> dict[str, object]:
-    """Stored tensors -> weight name -> Int4Weight / Fp8Weight for quantized linears, float32 else."""
+    """Stored tensors -> weight name -> Int4Weight / Fp8BlockWeight for quantized linears, float32
+    else."""
     try:
         if q.method == FP8_BLOCK:
             out = _convert_fp8_block(weights, q.block)
@@ -161,11 +114,13 @@ def convert_checkpoint(weights: dict[str, Tensor], q: CheckpointQuant) -> dict[s
             out = _plain(weights, claimed)
             out.update(quantized)
         else:
-            out = _convert_pack_int4(weights, q.group_size)
+            quantized, claimed = convert_compressed_tensors(weights, q.compressed)
+            out = _plain(weights, claimed)
+            out.update(quantized)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     for name in [n for n in out if n.endswith(_DENSE_ONLY_SUFFIXES)]:
-        if isinstance(out[name], Int4Weight | Fp8Weight):
+        if isinstance(out[name], Int4Weight | Fp8Weight | Fp8BlockWeight):
             out[name] = out[name].dequantize()
     return out
 
@@ -183,104 +138,28 @@ def _plain(weights: dict[str, Tensor], claimed: set[str]) -> dict[str, object]:
 
 def _convert_fp8_block(weights: dict[str, Tensor], block: tuple[int, int]) -> dict[str, object]:
     claimed: set[str] = set()
-    quantized: dict[str, Fp8Weight] = {}
+    quantized: dict[str, Fp8BlockWeight] = {}
     for key in weights:
         if not key.endswith(".weight_scale_inv"):
             continue
         name = key.removesuffix("_scale_inv")
         if name not in weights:
             raise ValueError(f"checkpoint has {key} but no {name}")
-        quantized[name] = fp8_block_to_fp8_weight(weights[name], weights[key], block, name)
+        quantized[name] = Fp8BlockWeight.from_checkpoint(weights[name], weights[key], block, name)
         claimed |= {key, name}
     out = _plain(weights, claimed)
     out.update(quantized)
     return out
 
 
-def fp8_block_to_fp8_weight(
-    w: Tensor, scale_inv: Tensor, block: tuple[int, int], name: str = "weight"
-) -> Fp8Weight:
-    """A block-scaled e4m3 weight -> per-row-scaled Fp8Weight, requantized in float32 ``bn`` rows at a
-    time (each row's scale maps its dequantized amax to 448)."""
-    if w.dtype != FP8_DTYPE or w.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D {FP8_DTYPE} weight, got {w.dtype} {tuple(w.shape)}")
-    n, k = w.shape
-    bn, bk = block
-    want = (-(-n // bn), -(-k // bk))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"{name}_scale_inv must be {want} for a {(n, k)} weight in {bn}x{bk} blocks, "
-            f"got {tuple(scale_inv.shape)}"
-        )
-    if not scale_inv.is_floating_point():
-        raise ValueError(f"{name}_scale_inv must be floating point, got {scale_inv.dtype}")
-    s = scale_inv.float()
-    q = torch.empty_like(w)
-    rs = torch.empty(n, dtype=torch.float32, device=w.device)
-    for b, r0 in enumerate(range(0, n, bn)):
-        cols = s[b].repeat_interleave(bk)[:k]
-        q[r0 : r0 + bn], rs[r0 : r0 + bn] = quantize_fp8_weight(w[r0 : r0 + bn].float() * cols)
-    return Fp8Weight(q, rs)
-
-
-def _convert_pack_int4(weights: dict[str, Tensor], group_size: int) -> dict[str, object]:
-    claimed: set[str] = set()
-    quantized: dict[str, Int4Weight] = {}
-    for key in weights:
-        if not key.endswith(".weight_packed"):
-            continue
-        base = key.removesuffix(".weight_packed")
-        for extra in ("weight_zero_point", "weight_g_idx"):
-            if f"{base}.{extra}" in weights:
-                raise ValueError(f"{base}.{extra} present: asymmetric / act-ordered INT4 is not supported")
-        parts = {p: weights.get(f"{base}.{p}") for p in ("weight_scale", "weight_shape")}
-        for p, t in parts.items():
-            if t is None:
-                raise ValueError(f"checkpoint has {key} but no {base}.{p}")
-        quantized[base + ".weight"] = pack_quantized_to_int4(
-            weights[key], parts["weight_scale"], parts["weight_shape"], group_size, base
-        )
-        claimed |= {key, f"{base}.weight_scale", f"{base}.weight_shape"}
-    out = _plain(weights, claimed)
-    out.update(quantized)
-    return out
-
-
-def pack_quantized_to_int4(
-    packed: Tensor, scale: Tensor, shape: Tensor, group_size: int, name: str = "weight"
-) -> Int4Weight:
-    """compressed-tensors int32 words -> a symmetric Int4Weight viewing the same bytes."""
-    if sys.byteorder != "little":
-        raise ValueError("pack-quantized INT4 checkpoints are read on little-endian hosts only")
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise ValueError(f"{name}.weight_packed must be 2-D int32, got {packed.dtype} {tuple(packed.shape)}")
-    dims = [int(d) for d in shape.reshape(-1).tolist()]
-    if len(dims) != 2:
-        raise ValueError(f"{name}.weight_shape must hold 2 integers, got {dims}")
-    n, k = dims
-    if (n, -(-k // 8)) != tuple(packed.shape) or k % 8:
-        raise ValueError(
-            f"{name}.weight_packed {tuple(packed.shape)} does not hold a {(n, k)} weight (K must be a "
-            "multiple of 8, eight values per int32)"
-        )
-    if k % group_size:
-        raise ValueError(f"{name}: group size {group_size} does not divide K={k}")
-    if tuple(scale.shape) != (n, k // group_size) or not scale.is_floating_point():
-        raise ValueError(
-            f"{name}.weight_scale must be floating point {(n, k // group_size)}, got {scale.dtype} "
-            f"{tuple(scale.shape)}"
-        )
-    nibbles = packed.contiguous().view(torch.uint8)  # [N, K/2]: byte j = values 2j (low), 2j+1 (high)
-    return Int4Weight(n, k, group_size, True, nibbles, scale.float(), None)
-
-
 def prequantized_expert_stack(w: dict[str, object], prefix: str, num_experts: int):
     """An ExpertStack in the stored format when ``<prefix>experts.{e}.*_proj.weight`` are all
-    Int4Weight (one group size, symmetric or not alike) or all Fp8Weight; None for float tensors."""
+    Int4Weight (one group size, symmetric or not alike), all Fp8Weight or all Fp8BlockWeight; None
+    for float tensors."""
     from pagoda.kernels.moe import ExpertStack
 
     first = w.get(f"{prefix}experts.0.gate_proj.weight")
-    if not isinstance(first, Int4Weight | Fp8Weight):
+    if not isinstance(first, Int4Weight | Fp8Weight | Fp8BlockWeight):
         return None
     kind = type(first)
     names = ("gate_proj", "up_proj", "down_proj")
@@ -299,6 +178,8 @@ def prequantized_expert_stack(w: dict[str, object], prefix: str, num_experts: in
         if dims != [(i, h), (i, h), (h, i)]:
             raise ModelLoadError(f"{prefix}experts.{e}: projection shapes {dims} do not agree")
     try:
+        if kind is Fp8BlockWeight:
+            return _block_stack(gate, up, down, h, i)
         if kind is Fp8Weight:
             gu = torch.stack([torch.cat([g.weight, u.weight]) for g, u in zip(gate, up, strict=True)])
             gus = torch.stack([torch.cat([g.scale, u.scale]) for g, u in zip(gate, up, strict=True)])
@@ -347,6 +228,33 @@ def prequantized_expert_stack(w: dict[str, object], prefix: str, num_experts: in
         )
     except ValueError as exc:
         raise ModelLoadError(f"{prefix}experts: {exc}") from exc
+
+
+def _block_stack(gate: list, up: list, down: list, h: int, i: int):
+    """The ``fp8_block`` ExpertStack of per-expert block-scaled projections (gate and up stacked
+    by rows with their own scale rows: no value re-rounded)."""
+    from pagoda.kernels.moe import ExpertStack
+
+    gus = [concat_block_rows([g, u]) for g, u in zip(gate, up, strict=True)]
+    blocks = {x.block for x in gate + up + down}
+    if any(g is None for g in gus) or len(blocks) != 1:
+        raise ValueError(f"experts mix FP8 block sizes {sorted(blocks)}")
+    shapes = {(g.scale.shape, d.scale.shape) for g, d in zip(gus, down, strict=True)}
+    if len(shapes) != 1:
+        raise ValueError(f"experts have block scales of different shapes {sorted(shapes)}")
+    return ExpertStack(
+        "fp8_block",
+        len(gus),
+        h,
+        i,
+        torch.stack([g.weight for g in gus]),
+        torch.stack([d.weight for d in down]),
+        gate_up_scales=torch.stack([g.scale for g in gus]),
+        down_scales=torch.stack([d.scale for d in down]),
+        block=blocks.pop(),
+        gate_up_rows=torch.stack([g.row_block for g in gus]),
+        down_rows=torch.stack([d.row_block for d in down]),
+    )
 
 
 def dense_experts(stack) -> tuple[Tensor, Tensor, Tensor]:

@@ -143,7 +143,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # qwen2: bias on q/k/v projections
     qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a query sees, itself included (None: all before it)
+    sliding_layers: tuple[int, ...] | None = None  # the layers that use the window (None: every one)
     rope_scaling: dict | None = field(default=None)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -163,12 +164,25 @@ class ModelConfig:
             raise ModelLoadError(
                 f"rotary dimension {self.rotary_dim} must be even and within head_dim ({self.head_dim})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ModelLoadError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_layers is not None:
+            self.sliding_layers = tuple(int(i) for i in self.sliding_layers)
         if isinstance(self.moe, dict):  # read back from a JSON cache entry
             self.moe = MoeConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MlaConfig(**self.mla)
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
             raise ModelLoadError(f"MoE layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (a query at position p sees keys p - window < j <= p),
+        or None when the layer attends to every earlier token."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
@@ -225,6 +239,29 @@ def _moe_from_hf(fam: str, cfg: dict, num_layers: int) -> MoeConfig | None:
             n_shared_experts=int(cfg.get("n_shared_experts") or 0),
         )
     return None
+
+
+def _sliding_from_hf(fam: str, cfg: dict, num_layers: int) -> dict:
+    """``sliding_window`` and ``sliding_layers`` as transformers reads them: Mistral windows every
+    layer whenever ``sliding_window`` is set; Qwen2 / Qwen3 only with ``use_sliding_window``, on the
+    layers ``layer_types`` marks "sliding_attention" (without it: layers >= ``max_window_layers``);
+    Qwen3-MoE every layer with ``use_sliding_window``; the other families never."""
+    window = cfg.get("sliding_window")
+    if fam == "mistral":
+        layers = None
+    elif fam in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
+        layers = None
+        if fam != "qwen3_moe":
+            kinds = cfg.get("layer_types")
+            if kinds:
+                layers = tuple(i for i, k in enumerate(kinds) if k == "sliding_attention")
+            else:
+                layers = tuple(range(int(cfg.get("max_window_layers", 28)), num_layers))
+    else:
+        window = None
+    if window is None or layers == ():
+        return {"sliding_window": None, "sliding_layers": None}
+    return {"sliding_window": int(window), "sliding_layers": layers}
 
 
 def rope_params(cfg: dict) -> dict | None:
@@ -345,9 +382,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=fam == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=fam in ("qwen3", "qwen3_moe") or bool(cfg.get("use_qk_norm", False)),
-            sliding_window=cfg.get("sliding_window")
-            if cfg.get("use_sliding_window", fam == "mistral")
-            else None,
+            **_sliding_from_hf(fam, cfg, num_layers),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rotary_dim=_rotary_dim(fam, cfg, head_dim),

@@ -36,6 +36,7 @@ class LayerBase:
         p = f"model.layers.{idx}."
         self.idx = idx
         self.cfg = cfg
+        self.window = cfg.layer_window(idx)  # sliding-window attention: keys per query (None: all)
         self.tp = tp  # tensor parallel: o_proj and the MLP give partial sums, reduced here
         self.mlp: DenseMLP | MoeMLP = layer_mlp(cfg, idx, w, formats, dtype, kernels, group_size, tp)
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"].to(dtype), cfg.rms_norm_eps)

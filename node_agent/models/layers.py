@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.fp8_block import Fp8BlockWeight, concat_block_rows
 from pagoda.kernels.fp8_format import amax_scale, quantize_fp8
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, Fp8Linear, LinearWeight, make_linear_weight
 from pagoda.kernels.selector import KernelSelection
 from pagoda.node_agent.models.parallel import ColumnShard
 from pagoda.node_agent.models.step_ops import OPS, rms_norm
+from pagoda.vocabulary import STORED
 
 PHASES = ("prefill", "decode")
 
@@ -32,8 +34,19 @@ class RMSNorm(nn.Module):
 
 
 def prequantized_format(w: object) -> str | None:
-    """'int4' / 'fp8' for a prequantized weight (a `pagoda quantize` checkpoint), None for a tensor."""
-    return "int4" if isinstance(w, Int4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+    """'int4' / 'fp8' for a prequantized weight (a `pagoda quantize` checkpoint, or a released one's
+    INT4 groups or FP8 blocks), None for a tensor."""
+    if isinstance(w, Int4Weight):
+        return "int4"
+    return "fp8" if isinstance(w, Fp8Weight | Fp8BlockWeight) else None
+
+
+def as_stored(fmt: str, w: object) -> str:
+    """The format a layer runs under the phase format ``fmt``: ``stored`` keeps a prequantized
+    weight's own format and holds a dense one in the compute dtype (``bf16``); others as given."""
+    if fmt != STORED:
+        return fmt
+    return prequantized_format(w) or "bf16"
 
 
 class PhaseLinear:
@@ -45,7 +58,7 @@ class PhaseLinear:
 
     def __init__(
         self,
-        weight: torch.Tensor | Int4Weight | Fp8Weight | ColumnShard,
+        weight: torch.Tensor | Int4Weight | Fp8Weight | Fp8BlockWeight | ColumnShard,
         bias: torch.Tensor | None,
         formats: dict[str, str],
         dtype: torch.dtype,
@@ -58,6 +71,7 @@ class PhaseLinear:
         self.by_phase: dict[str, LinearWeight] = {}
         made: dict[str, LinearWeight] = dict(built or {})  # formats the caller already built
         shard = weight if isinstance(weight, ColumnShard) else None
+        formats = {p: as_stored(f, shard.weight if shard is not None else weight) for p, f in formats.items()}
         if shard is not None:
             weight = shard.weight
             if "int4" in formats.values() and not isinstance(weight, Int4Weight):
@@ -94,6 +108,8 @@ def concat_rows(ws: list) -> torch.Tensor | Int4Weight | Fp8Weight | None:
         return torch.cat(ws, dim=0) if len({w.shape[1] for w in ws}) == 1 else None
     if all(isinstance(w, Fp8Weight) for w in ws):
         return Fp8Weight(torch.cat([w.weight for w in ws]), torch.cat([w.scale for w in ws]))
+    if all(isinstance(w, Fp8BlockWeight) for w in ws):
+        return concat_block_rows(ws)
     if not all(isinstance(w, Int4Weight) for w in ws):
         return None
     if len({(w.in_features, w.group_size) for w in ws}) != 1:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.fp8_block import Fp8BlockWeight
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.int8 import exact_int8_head
 from pagoda.kernels.linear import Int8Linear
@@ -50,6 +51,8 @@ def _to_device(v, device: torch.device):
         return Int4Weight.from_state({k: t.to(device) for k, t in v.state().items()}, v.meta())
     if isinstance(v, Fp8Weight):
         return Fp8Weight(v.weight.to(device), v.scale.to(device))
+    if isinstance(v, Fp8BlockWeight):
+        return v.to(device)
     return v.to(device)
 
 
@@ -134,6 +137,7 @@ class DecoderLayer(LayerBase):
                 ks,
                 vs,
                 backend=b.kernel_backend,
+                window=self.window,
             )
         else:
             o = paged_prefill_attention(
@@ -147,6 +151,7 @@ class DecoderLayer(LayerBase):
                 ks,
                 vs,
                 backend=b.kernel_backend,
+                window=self.window,
             )
         attn = self._reduce(self.o_proj(o.reshape(x.shape[0], -1), phase))
         x, h = OPS["add_rms_norm"](x, attn, *self.post_norm.args())

@@ -11,12 +11,14 @@ import torch.nn.functional as F
 
 from pagoda.kernels.dispatch import select_backend
 from pagoda.kernels.int4 import pick_group_size
+from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE
 from pagoda.kernels.moe import ExpertStack, fused_moe, make_expert_stack
 from pagoda.kernels.selector import KernelSelection
 from pagoda.node_agent.models.checkpoint_formats import dense_experts, prequantized_expert_stack
 from pagoda.node_agent.models.config import ModelConfig, ModelLoadError, MoeConfig
 from pagoda.node_agent.models.layers import PHASES, DenseMLP, PhaseLinear
 from pagoda.node_agent.models.parallel import TensorParallel
+from pagoda.vocabulary import STORED
 
 # The engine's weight format names -> the expert stack's format (dense ones keep their dtype).
 _STACK_FORMATS = {"bf16": "dense", "fp32": "dense", "fp8": "fp8", "int4": "int4"}
@@ -58,6 +60,22 @@ def route_grouped_sigmoid(
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def _stack_phase_format(fmt: str, pre: ExpertStack | None) -> str:
+    """``stored``: the checkpoint's expert format (FP8 blocks serve ``fp8``), dense experts in the
+    compute dtype; other formats as given."""
+    if fmt != STORED:
+        return fmt
+    if pre is None:
+        return "bf16"
+    return "fp8" if pre.fmt == "fp8_block" else {"dense": "bf16"}.get(pre.fmt, pre.fmt)
+
+
+def _serves(stored: ExpertStack, stack_fmt: str | None) -> bool:
+    """Whether a checkpoint's expert stack runs a phase's stack format as stored (FP8 blocks serve
+    the ``fp8`` format with their block scales)."""
+    return stored.fmt == stack_fmt or (stored.fmt == "fp8_block" and stack_fmt == "fp8")
 
 
 def expert_weights(
@@ -123,9 +141,10 @@ class MoeMLP:
         )
         # A prequantized checkpoint's experts serve their own format as stored; dequantized for others.
         pre = prequantized_expert_stack(w, prefix, n_local)
+        stack_formats = {p: _stack_phase_format(f, pre) for p, f in formats.items()}
         if pre is None:
             gate, up, down = expert_weights(w, prefix, n_local)
-        elif any(_STACK_FORMATS.get(formats[p]) != pre.fmt for p in PHASES):
+        elif any(not _serves(pre, _STACK_FORMATS.get(stack_formats[p])) for p in PHASES):
             gate, up, down = dense_experts(pre)
         else:
             gate = up = torch.empty(pre.num_experts, pre.intermediate, pre.hidden, device="meta")
@@ -141,10 +160,13 @@ class MoeMLP:
                 f"num_experts={cfg.num_experts}, moe_intermediate_size={cfg.expert_intermediate_size}, "
                 f"hidden_size={hidden_size}"
             )
+        int4_compute = DEFAULT_INT4_COMPUTE if kernels is None else kernels.int4_compute
+        if dtype != torch.float32:
+            int4_compute = "bf16"  # the exact kernel takes float32 activations only
         self.stacks: dict[str, ExpertStack] = {}
         made: dict[tuple[str, torch.dtype], ExpertStack] = {}
         for phase in PHASES:
-            fmt = formats[phase]
+            fmt = stack_formats[phase]
             stack_fmt = _STACK_FORMATS.get(fmt)
             if stack_fmt is None:
                 raise ValueError(f"unknown weight format {fmt!r} for the experts")
@@ -152,13 +174,14 @@ class MoeMLP:
             key = (stack_fmt, stack_dtype)
             if key not in made:
                 g = pick_group_size(math.gcd(h, i), group_size or 128) if stack_fmt == "int4" else None
-                if pre is not None and pre.fmt == stack_fmt:
+                if pre is not None and _serves(pre, stack_fmt):
                     stack = pre
                 else:
                     stack = make_expert_stack(gate, up, down, stack_fmt, g, stack_dtype)
                 if stack_fmt == "int4" and select_backend(self.router.device, backend) == "cpu":
-                    # as the INT4 linear layer: only torch's CPU int4pack layouts stay resident
-                    stack.prepare("cpu", keep_canonical=False)
+                    # as the INT4 linear layer (--int4-compute): the exact native kernel's layout for
+                    # float32 compute, else only torch's CPU int4pack layouts stay resident
+                    stack.prepare("cpu", keep_canonical=False, compute=int4_compute)
                 made[key] = stack
             self.stacks[phase] = made[key]
         self.shared = (

@@ -74,7 +74,7 @@ def _layer_spec(layer: DecoderLayer) -> DecodeLayerSpec | str:
     bias = layer.qkv_proj.by_phase["decode"].bias
     return DecodeLayerSpec.build(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, in_w, post_w, **weights,
-        qkv_bias=bias, qk_norms=qk_norms,
+        qkv_bias=bias, qk_norms=qk_norms, window=layer.window,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.fp8_block import Fp8BlockWeight
 from pagoda.kernels.int4 import Int4Weight, pick_group_size
 from pagoda.node_agent.models.config import ModelConfig, ModelLoadError
 
@@ -190,6 +191,8 @@ def take_rows(w, start: int, end: int):
         return w[start:end].contiguous()
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[start:end].contiguous(), w.scale[start:end].contiguous())
+    if isinstance(w, Fp8BlockWeight):
+        return w.take_rows(start, end)
     if isinstance(w, Int4Weight):
         st = w.state()
         part = {k: t[start:end].contiguous() for k, t in st.items()}
@@ -212,6 +215,11 @@ def take_cols(w, start: int, end: int):
         return w[:, start:end].contiguous()
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[:, start:end].contiguous(), w.scale)
+    if isinstance(w, Fp8BlockWeight):
+        try:
+            return w.take_cols(start, end)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if isinstance(w, Int4Weight):
         g = w.group_size
         if start % g or end % g:
@@ -241,7 +249,7 @@ def take_cols(w, start: int, end: int):
 def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> ColumnShard:
     """Columns [start, end) of ``w`` that remember the whole row (``name``: the weight's, for errors)."""
     amax = None
-    if need_amax and not isinstance(w, Fp8Weight):
+    if need_amax and not isinstance(w, Fp8Weight | Fp8BlockWeight):
         dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         amax = dense.detach().float().abs().amax(dim=1)
     try:
@@ -252,13 +260,15 @@ def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> Co
 
 
 def int4_unit(w, formats: set[str], preferred: int | None) -> int:
-    """The group a down_proj's input columns must keep: its stored INT4 group, or the group an
-    INT4 phase format would choose for the whole width (1 when nothing is grouped)."""
+    """The group a down_proj's input columns must keep: its stored INT4 group or FP8 column block,
+    and the group an INT4 phase format would choose for the whole width (1 when nothing is
+    grouped)."""
     if isinstance(w, Int4Weight):
         return w.group_size
+    unit = w.block[1] if isinstance(w, Fp8BlockWeight) else 1
     if "int4" in formats:
-        return pick_group_size(_cols(w), preferred or 128)
-    return 1
+        return math.lcm(unit, pick_group_size(_cols(w), preferred or 128))
+    return unit
 
 
 def shard_weights(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -25,35 +26,80 @@ class Tokenizer:
             self._tok = AutoTokenizer.from_pretrained(model_dir)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+        self.template_override: str | None = None  # --chat-template: used instead of the model's
+
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """This tokenizer rendering chats with ``template`` (a Jinja chat template) instead of the
+        model's own; the original is left as it is (engines may share one tokenizer)."""
+        other = copy.copy(self)
+        other.template_override = template
+        return other
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self._tok, "chat_template", None))
+        return bool(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=True))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Render chat messages with the model's template, ready for the assistant's turn."""
+    @property
+    def chat_template(self) -> str | None:
+        if self.template_override is not None:
+            return self.template_override
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Chat messages (and tools, for templates that take them) as the prompt text, ready for
+        the assistant's turn."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
-        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._tok.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=self.template_override,
+        )
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Render chat messages with the model's template, ready for the assistant's turn."""
+        text = self.render_chat(messages, tools)
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens spelled out (cached: logprobs list many per step)."""
+        cache = self.__dict__.setdefault("_token_texts", {})
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
 
 class Detokenizer:
     """Turns a growing list of token ids into text, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special: bool = True, hidden: frozenset[int] = frozenset()
+    ) -> None:
+        """``skip_special`` False keeps special tokens in the text (a tool-call parser reads its
+        family's markers from it), all but a last token in ``hidden`` (the stop token)."""
         self.tok = tokenizer
+        self.skip_special, self.hidden = skip_special, hidden
         self.text = ""
+        self._seen = 0  # len(ids) of the last update: ids only grow, so the same length is the same text
 
     def update(self, ids: list[int]) -> str:
         """Full text of ``ids`` so far (only complete characters)."""
-        text = self.tok.decode(ids)
+        if len(ids) == self._seen:
+            return self.text
+        self._seen = len(ids)
+        if not self.skip_special and ids and ids[-1] in self.hidden:
+            ids = ids[:-1]
+        text = self.tok.decode(ids, self.skip_special)
         if text.endswith("\ufffd"):
             return self.text  # a multi-byte character is still incomplete
         self.text = text

@@ -96,3 +96,21 @@ def weight_breakdown(model: Any) -> dict[str, Any]:
     out["total"] = sum(tally.parts.values())
     out["by_format"] = dict(sorted(tally.formats.items()))
     return out
+
+
+def phase_format_bytes(model: Any) -> dict[str, dict[str, int]]:
+    """Bytes of the block layers each phase runs, by the format each runs in (``phase -> format ->
+    bytes``; a weight two phases share counts in both): what ``stored`` formats resolved to."""
+    out: dict[str, dict[str, int]] = {}
+    for phase in PHASES:
+        tally: dict[str, int] = defaultdict(int)
+        for layer in model.layers:
+            for lin in layer.linears():
+                w = lin.by_phase[phase]
+                tally[w.fmt] += w.nbytes
+            if isinstance(layer.mlp, MoeMLP):
+                stack = layer.mlp.stacks[phase]
+                fmt = stack.fmt if stack.fmt != "dense" else dtype_name(stack.gate_up.dtype)
+                tally[f"experts {fmt}"] += stack.nbytes()
+        out[phase] = dict(sorted(tally.items()))
+    return out

@@ -83,6 +83,13 @@ def test_command_line_names_every_changed_flag() -> None:
     assert command_line(a) == "pagoda bench kv --decode-kv fp8_e4m3 --repeats 5"
 
 
+def test_eval_records_its_own_command_line() -> None:
+    from pagoda.node_agent.cli.eval import eval_command
+
+    a = build_parser().parse_args(["eval", "--tools", "--formats", "int4/fp8,bf16/bf16", "--threads", "1"])
+    assert eval_command(a) == "pagoda eval --formats int4/fp8,bf16/bf16 --tools --threads 1"
+
+
 @pytest.mark.parametrize("bench", ["decode", "kv", "weights", "integrity"])
 def test_repeats_must_be_positive(bench, capsys) -> None:
     with pytest.raises(SystemExit):

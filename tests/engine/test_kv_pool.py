@@ -113,6 +113,24 @@ def test_engine_returns_every_page_after_mixed_outcomes(make_engine):
     assert eng.decode_pool.allocations > eng.decode_pool.num_pages
 
 
+def test_preempting_a_sequence_whose_expected_tag_was_flipped_leaks_no_page(make_engine):
+    """Preemption releases like the fail-closed path: a page whose reference's tag was corrupted is
+    still this sequence's (no other table accounts for it), so it goes back to the pool."""
+    from pagoda.node_agent.kv.allocator import PageRef
+
+    eng = make_engine(kv_memory=16 << 20)
+    eng.add_request("one two three four five six seven eight nine ten", SamplingParams(max_tokens=4))
+    eng.step()
+    (seq,) = eng.scheduler.running
+    ref = seq.block_table[0]
+    seq.block_table[0] = PageRef(ref.page, ref.tag ^ 1)
+    eng.scheduler._preempt(seq)
+    eng.scheduler.waiting.remove(seq)
+    for pool in {eng.scheduler.prefill_pool, eng.decode_pool}:
+        pool.clear_prefix_cache()
+        pool.check_idle()
+
+
 def test_per_token_k_scales_live_beside_the_pages_and_keep_195x():
     """Per-token K scales (bfloat16, per token and KV head) are a page tensor of every layer, what
     the model reads as K's scales; V keeps a static per-head scale. SmolLM2's shape still holds

@@ -68,13 +68,13 @@ def test_every_accepted_seed_seeds_a_generator_and_samples(seed):
     params.validate()
     seq = Sequence("r", [1, 2], params)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
-    first = sample(logits, [seq])
+    first = sample(logits, [seq]).tokens
     assert 0 <= first[0] < 50
     if seed is None:
         assert seq.generator is None
         return
     assert seq.generator.initial_seed() == seed % 2**64  # negative seeds wrap, none overflows
-    assert sample(logits, [Sequence("r", [1, 2], params)]) == first  # the seed decides the draw
+    assert sample(logits, [Sequence("r", [1, 2], params)]).tokens == first  # the seed decides the draw
 
 
 def test_extreme_seeds_give_distinct_streams_modulo_2_64():
@@ -93,4 +93,4 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(temperature
     params.validate()
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
     seqs = [Sequence("a", [1], params), Sequence("b", [1], params)]
-    assert sample(logits, seqs) == logits.argmax(dim=-1).tolist()
+    assert sample(logits, seqs).tokens == logits.argmax(dim=-1).tolist()

@@ -11,7 +11,10 @@ from pagoda.node_agent.engine.config import ConfigError, EngineConfig, PhaseForm
 @pytest.mark.parametrize(
     ("formats", "message"),
     [
-        (PhaseFormats("int3", "bf16", "int4", "fp8_e4m3"), "prefill-weights must be one of bf16, fp8, int4"),
+        (
+            PhaseFormats("int3", "bf16", "int4", "fp8_e4m3"),
+            "prefill-weights must be one of bf16, fp8, int4, stored",
+        ),
         (PhaseFormats("fp8", "bf16", "int4", "fp8_e5m2"), "decode-kv must be one of bf16, fp8_e4m3"),
         (PhaseFormats("fp8", "fp8_e4m3", "int4", "bf16"), "cannot hand off to decode-kv bf16"),
     ],

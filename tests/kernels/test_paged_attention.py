@@ -435,3 +435,97 @@ def test_calibrate_tensor_scales():
     assert s.shape == (3,) and torch.equal(s, torch.full((3,), 2.0))
     with pytest.raises(ValueError):
         calibrate_tensor_scales(x, 0)
+
+
+# ------------------------------------------------------------------------------ sliding window
+
+# (context len incl. chunk, query len) per sequence, page size 4: windows shorter than a page, equal
+# to one, across boundaries and longer than every sequence; chunks with and without a cached prefix
+WINDOW_PREFILL_CASES = [(13, 13), (17, 5), (8, 1), (21, 21), (3, 3), (16, 4)]
+WINDOWS = [1, 3, 4, 5, 8, 11, 40]
+
+
+def dense_window_attention(q, keys, values, scale, pos, window):
+    """One query [Hq, D] at position ``pos`` over float K/V [L, Hkv, D]: keys pos - window < j <= pos."""
+    lo = max(0, pos - window + 1)
+    return full_softmax_attention(q, keys[lo : pos + 1], values[lo : pos + 1], scale)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_window_matches_dense_attention(window):
+    pk = make_paged_kv([c for c, _ in WINDOW_PREFILL_CASES], 4, 2, 8, torch.float32, seed=window)
+    q_lens = [n for _, n in WINDOW_PREFILL_CASES]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 4, 8, generator=torch.Generator().manual_seed(3))
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, cu, pk.context_lens, 0.3)
+    out = paged_prefill_attention(q, *args, backend="reference", window=window)
+    last = (cu[1:] - 1).long()
+    dec = paged_decode_attention(
+        q[last],
+        pk.k_cache,
+        pk.v_cache,
+        pk.block_tables,
+        pk.context_lens,
+        0.3,
+        backend="reference",
+        window=window,
+    )
+    for b, (length, n) in enumerate(WINDOW_PREFILL_CASES):
+        for i in range(n):
+            pos = length - n + i
+            want = dense_window_attention(q[int(cu[b]) + i], pk.keys[b], pk.values[b], 0.3, pos, window)
+            torch.testing.assert_close(out[int(cu[b]) + i], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dec[b], out[last[b]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8tok", "int8"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_window_decode_and_prefill_match_reference(backend, kv, window):
+    d, ps, hq, hkv = 16, 4, 6, 2
+    lens = [c for c, _ in WINDOW_PREFILL_CASES]
+    pk = paged_kv(lens, ps, hkv, d, kv, seed=window)
+    q_lens = [n for _, n in WINDOW_PREFILL_CASES]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=torch.Generator().manual_seed(window)).to(DEVICE)
+    scales = (pk.k_scale, pk.v_scale)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, cu.to(DEVICE), pk.context_lens, 0.25, *scales)
+    ref = paged_prefill_attention(q, *args, backend="reference", window=window)
+    out = paged_prefill_attention(q, *args, backend=backend, window=window)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+    dargs = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25, *scales)
+    last = (cu[1:] - 1).long()
+    ref = paged_decode_attention(q[last], *dargs, backend="reference", window=window)
+    out = paged_decode_attention(q[last], *dargs, backend=backend, window=window)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), **TOL[torch.float32])
+    if window < min(lens):  # the window changes the answer (the test would pass without one otherwise)
+        full = paged_decode_attention(q[last], *dargs, backend="reference")
+        assert not torch.allclose(full.cpu(), ref.cpu(), atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "backend,native", [("cpu", "1"), ("cpu", "0"), pytest.param("triton", "1", marks=needs_triton)]
+)
+def test_window_decode_never_reads_pages_before_the_window(backend, native, monkeypatch):
+    """Block-table entries before every query's window may hold anything (a released page): the
+    fast paths (the native kernel, the vectorized torch one, Triton) neither read nor check them."""
+    monkeypatch.setenv("PAGODA_NATIVE_ATTENTION", native)
+    pk = make_paged_kv([37, 9, 64], 4, 2, 16, torch.float32, seed=4)
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    args = (pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.25)
+    want = paged_decode_attention(q, *args, backend="reference", window=6)
+    tables = pk.block_tables.clone()
+    for b, n in enumerate(pk.context_lens.tolist()):
+        tables[b, : max(0, n - 6) // 4] = -7
+    args = (pk.k_cache, pk.v_cache, tables, pk.context_lens, 0.25)
+    got = paged_decode_attention(q, *args, backend=backend, window=6)
+    torch.testing.assert_close(got.cpu(), want.cpu(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_window_must_be_a_positive_int(window):
+    pk = make_paged_kv([5], 4, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(
+            torch.randn(1, 1, 8), pk.k_cache, pk.v_cache, pk.block_tables, pk.context_lens, 0.3, window=window
+        )

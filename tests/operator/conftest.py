@@ -24,7 +24,14 @@ def crd() -> dict:
 @pytest.fixture
 def operator_config() -> Config:
     """Short timers so level-based repair and staleness show within a test."""
-    return Config(resync_s=0.5, stale_after_s=30, report_interval_s=5, install_crd=False, shift_settle_s=0.5)
+    return Config(
+        resync_s=0.5,
+        stale_after_s=30,
+        report_interval_s=5,
+        install_crd=False,
+        shift_settle_s=0.5,
+        secret_cache_s=0.5,
+    )
 
 
 @pytest.fixture

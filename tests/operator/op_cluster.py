@@ -34,6 +34,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/secrets": {"kind": "Secret", "namespaced": True},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True},
     "v1/events": {"kind": "Event", "namespaced": True},
+    "coordination.k8s.io/v1/leases": {"kind": "Lease", "namespaced": True},
     "apps/v1/deployments": {"kind": "Deployment", "namespaced": True, "subresources": {"status"}},
     "rbac.authorization.k8s.io/v1/roles": {"kind": "Role", "namespaced": True},
     "rbac.authorization.k8s.io/v1/rolebindings": {"kind": "RoleBinding", "namespaced": True},

@@ -84,7 +84,9 @@ def test_default_render_is_valid(chart: helm_python.Chart) -> None:
         "Deployment",
         "Service",  # the operator's metrics
         "ServiceAccount",
-        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicy",  # an agent's own pod
+        "ValidatingAdmissionPolicy",  # an agent's own Lease
+        "ValidatingAdmissionPolicyBinding",
         "ValidatingAdmissionPolicyBinding",
     ]
     for doc in docs:
@@ -167,7 +169,10 @@ def test_operator_config_from_chart_env_is_read_by_the_operator(chart: helm_pyth
 def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     roles = {d["metadata"]["name"]: d for d in render(chart) if d["kind"] == "ClusterRole"}
     agent = roles["pagoda-agent"]["rules"]
-    assert agent == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    assert agent == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},  # its own report
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "patch"]},
+    ]
     crd = roles["pagoda-operator-crd"]["rules"]
     assert crd == [
         {
@@ -204,6 +209,7 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     }
     # Cluster mode: the agents' pod patch is bound from the chart's ClusterRole, not held.
     assert verbs[("", "pods")] == {"list"} and verbs[("", "events")] == {"create"}
+    assert verbs[("coordination.k8s.io", "leases")] == {"list"}  # the agents' heartbeats, read only
     bind = [rule for rule in operator if rule["resources"] == ["clusterroles"]]
     assert bind == [
         {

@@ -210,3 +210,17 @@ def test_printer_columns_are_defined_and_documented(crd: dict) -> None:
     docs = (ROOT / "docs" / "operator.md").read_text()  # the CRD reference lives there
     for column in columns:
         assert f"`{column['name']}`" in docs and f"`{column['jsonPath']}`" in docs
+
+
+def test_stored_weight_format_is_accepted_in_both_pools() -> None:
+    from pagoda.vocabulary import WEIGHT_FORMATS
+
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for pool in ("prefill", "decode"):
+        assert props[pool]["properties"]["weightFormat"]["enum"] == list(WEIGHT_FORMATS)
+    body = example()
+    body["spec"]["prefill"] = {**body["spec"].get("prefill", {}), "weightFormat": "stored"}
+    body["spec"]["decode"] = {**body["spec"].get("decode", {}), "weightFormat": "stored"}
+    stored = admit(body)
+    assert stored["spec"]["prefill"]["weightFormat"] == stored["spec"]["decode"]["weightFormat"] == "stored"

@@ -196,3 +196,23 @@ def test_the_operator_counts_and_times_its_passes() -> None:
     assert sample("pagoda_operator_reconcile_total", trigger="t", result="error") == err + 1
     assert sample("pagoda_operator_reconcile_errors_total", trigger="t", error="RuntimeError") == 1
     assert sample("pagoda_operator_reconcile_seconds_count", trigger="t") == 2
+
+
+def test_an_agent_may_write_only_its_own_lease() -> None:
+    policy = next(d for d in render() if d["metadata"]["name"] == "pagoda-agent-own-lease")
+    assert policy["kind"] == "ValidatingAdmissionPolicy"
+    rules = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rules == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["leases"],
+        }
+    ]
+    mine = {"metadata": {"name": "m-decode-1"}, "spec": {"holderIdentity": "m-decode-1"}}
+    theirs = {"metadata": {"name": "m-decode-2"}, "spec": {"holderIdentity": "m-decode-1"}}
+    assert _admitted(policy, AGENT, "m-decode-1", mine, mine)
+    assert not _admitted(policy, AGENT, "m-decode-1", theirs, theirs)  # keeping another agent alive
+    assert not _admitted(policy, AGENT, None, mine, mine)  # a token not bound to a pod
+    assert _admitted(policy, "system:serviceaccount:kube-system:leader", None, theirs, theirs)

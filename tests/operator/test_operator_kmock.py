@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import datetime as dt
 import json
 import logging
@@ -35,6 +36,7 @@ from pagoda.operator.config import Config
 NS = "default"
 MD = MD_PATH.format(ns=NS) + "/smollm"
 DEPS = DEP_PATH.format(ns=NS)
+POOLS = ("prefill", "decode")
 CPU = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
 GENERATION = generation_of(("fp8", "bf16", "int4", "int8"))  # the default formats
 
@@ -206,7 +208,10 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
     # The agents write their reports into their own pods (the chart's admission policy keeps each
     # to its own pod and annotation); they write nothing to the ModelDeployment.
     role = cluster.get(f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/smollm-pagoda-agent")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},  # its report
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create", "patch"]},
+    ]
     # Only the pods that report hold a token: the router (untrusted input, no report) has none.
     assert prefill["spec"]["template"]["spec"]["serviceAccountName"] == "smollm-pagoda-agent"
     assert router["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
@@ -304,12 +309,13 @@ def test_an_autoscaled_pool_gets_an_hpa_and_its_scale_is_kept(cluster: Cluster) 
 
     cluster.patch(f"{DEPS}/smollm-decode", {"spec": {"replicas": 5}})  # the HPA scales up
     set_ready(cluster, "decode", 5)
+    # The scale and the controller's status are two watch events: a pass may see one before the other.
     md = cluster.wait_for(
-        lambda: (m := cluster.get(MD)) and m["status"]["decode"].get("desiredReplicas") == 5 and m,
+        lambda: (m := cluster.get(MD)) and m["status"]["decode"].get("ready") == "5/5" and m,
         what="status follows the autoscaler",
     )
     assert md["status"]["decode"]["autoscaling"] == {"minReplicas": 2, "maxReplicas": 6}
-    assert md["status"]["decode"]["ready"] == "5/5" and md["status"]["decode"]["currentReplicas"] == 5
+    assert md["status"]["decode"]["desiredReplicas"] == 5 and md["status"]["decode"]["currentReplicas"] == 5
     time.sleep(2)  # several timer passes: none reverts the scale
     assert deployment(cluster, "decode")["spec"]["replicas"] == 5
     assert templates(cluster) == before
@@ -458,10 +464,11 @@ def test_a_kv_format_change_brings_up_the_new_pair_before_removing_the_old(clust
     for role in ("prefill", "decode", "router"):
         set_ready(cluster, role, 1)
     settled(cluster)
-    blue = {
-        p: len(cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{p}"].history)
-        for p in ("prefill", "decode")
-    }
+    # the pass that saw the pair ready has run: the blue pair's history is complete from here on
+    cluster.wait_for(lambda: condition(cluster.get(MD), "Ready")["status"] == "True", what="Ready")
+    blue = {p: cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{p}"].history for p in POOLS}
+    blue_spec = {p: copy.deepcopy(dict(blue[p][-1]["spec"])) for p in POOLS}
+    blue_len = {p: len(blue[p]) for p in POOLS}
     update_spec(cluster, {"prefill": {"gpus": 0, "kvCacheFormat": "int8"}})
 
     # 1. The new pair starts beside the serving one, which is left as it is and keeps the traffic.
@@ -489,10 +496,14 @@ def test_a_kv_format_change_brings_up_the_new_pair_before_removing_the_old(clust
     set_ready_named(cluster, "smollm-decode-green", 1)
     cluster.wait_for(lambda: selects(cluster, "decode") == NEW_GENERATION, what="decode shifted")
     cluster.wait_for(lambda: selects(cluster, "prefill") == NEW_GENERATION, what="prefill shifted")
-    for pool in ("prefill", "decode"):
+    for pool in POOLS:
         history = cluster.emulator.objects["apps/v1/deployments", NS, f"smollm-{pool}"].history
-        assert len(history) == blue[pool]  # not patched, never scaled to 0, during the whole change
-        assert all(v["spec"]["replicas"] == 1 for v in history)
+        # its spec never changed during the whole change (a late write of the same spec from the
+        # pass that saw it ready is allowed: it changes nothing), and it was never scaled to 0; a
+        # None entry is its deletion, which may already have come on a fast machine
+        versions = [v for v in history[blue_len[pool] :] if v is not None]
+        assert all(v["spec"] == blue_spec[pool] for v in versions)
+        assert all(v["spec"]["replicas"] == 1 for v in history if v is not None)
     cluster.wait_for(lambda: deployment(cluster, "prefill") is None, what="old prefill removed")
     cluster.wait_for(lambda: deployment(cluster, "decode") is None, what="old decode removed")
     md = cluster.wait_for(
@@ -675,8 +686,15 @@ def test_missing_api_keys_secret_is_reported_until_it_is_there(
     )
     assert condition(md, "Ready")["reason"] == "PoolsNotReady"
     # The value is read by nobody but the kubelet: not in the status, Events or operator logs.
-    events = cluster.get(EVENT_PATH.format(ns=NS))["items"]
-    assert any(e["reason"] == "DegradedTrue" and "team-keys" in e["message"] for e in events)
+    # kopf posts Events one by one behind the pass: wait for the one of this transition.
+    events = cluster.wait_for(
+        lambda: (
+            (items := cluster.get(EVENT_PATH.format(ns=NS))["items"])
+            and any(e["reason"] == "DegradedTrue" and "team-keys" in e["message"] for e in items)
+            and items
+        ),
+        what="the DegradedTrue Event",
+    )
     operator_logs = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith(("kopf", "pagoda")))
     assert "team-keys" in operator_logs  # the operator's logs were captured ...
     for text in (json.dumps(md), json.dumps(events), operator_logs):
@@ -719,6 +737,12 @@ UNEXERCISED = {
     ("gateway.networking.k8s.io", "httproutes", "create"): "likewise",
     ("gateway.networking.k8s.io", "httproutes", "patch"): "likewise",
     ("gateway.networking.k8s.io", "httproutes", "delete"): "likewise",
+    # get: the watch cache answers every read of these kinds; the API is asked only for an object
+    # the cache cannot answer for (a foreign one met on create: watch_cache.CachedKube).
+    ("apps", "deployments", "get"): "a foreign Deployment met on create (test_controllers_kmock.py)",
+    ("rbac.authorization.k8s.io", "roles", "get"): "likewise, a foreign Role",
+    ("inference.networking.k8s.io", "inferencepools", "get"): "likewise, a foreign InferencePool",
+    ("gateway.networking.k8s.io", "httproutes", "get"): "likewise, a foreign HTTPRoute",
     (
         "pagoda.dev",
         "modeldeployments/finalizers",
@@ -757,6 +781,7 @@ def chart_rules() -> set[tuple[str, str, str]]:
             install_crd=False,
             shift_settle_s=0.5,
             agent_cluster_role="pagoda-agent",
+            secret_cache_s=0.5,
         )
     ],
 )
@@ -832,6 +857,16 @@ def test_chart_rbac_allows_exactly_what_the_operator_calls(cluster: Cluster) -> 
     assert allowed - used == set(UNEXERCISED), "RBAC the operator does not need"
 
 
+def quiet_events(cluster: Cluster, still_s: float = 1.0) -> int:
+    """The number of Events once it stops growing: kopf posts Events one by one behind the passes
+    (a fraction of a second each on a loaded machine), so the first pass's keep arriving a while."""
+    count = -1
+    while (now := len(cluster.get(EVENT_PATH.format(ns=NS))["items"])) != count:
+        count = now
+        time.sleep(still_s)
+    return count
+
+
 def test_an_unchanged_resync_posts_no_event(cluster: Cluster) -> None:
     """The timer pass runs every 0.5 s here; with nothing changed it neither writes nor posts Events."""
     create_md(cluster, example(**CPU))
@@ -841,7 +876,7 @@ def test_an_unchanged_resync_posts_no_event(cluster: Cluster) -> None:
     agent_patch(cluster, "d-0", report("decode"))
     cluster.wait_for(lambda: cluster.get(MD)["status"]["agentsTotal"] == 1, what="report read")
     time.sleep(1)  # let the passes that saw the report finish
-    events = len(cluster.get(EVENT_PATH.format(ns=NS))["items"])
+    events = quiet_events(cluster)
     before = writes(cluster)
     time.sleep(2.5)  # five timer passes
     assert len(cluster.get(EVENT_PATH.format(ns=NS))["items"]) == events

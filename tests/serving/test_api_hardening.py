@@ -67,9 +67,11 @@ def work_done(url: str) -> tuple[float, float]:
         ({"top_p": "0.5"}, "top_p"),
         ({"stream": "yes"}, "stream"),
         ({"stop": ["a", 3]}, "stop"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"best_of": 2}, "best_of"),
-        ({"echo": True}, "echo"),
+        ({"echo": "yes"}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
@@ -86,21 +88,54 @@ def test_bad_completion_fields_are_400s_naming_the_field(stack, extra: dict, par
     assert work_done(stack.url) == before
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+            "tools[0].function.parameters",
+        ),
         ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "r", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"tools": [TOOL], "response_format": {"type": "json_object"}}, "response_format"),
         ({"audio": {"voice": "alloy"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ({"max_completion_tokens": True}, "max_completion_tokens"),
         ({"best_of": 1}, "best_of"),  # a completions field, unknown to chat
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c1"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),

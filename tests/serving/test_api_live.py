@@ -96,7 +96,7 @@ def test_n_choices_and_prompt_batches(stack) -> None:
         ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "hello " * 600}, 400, "prompt"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 30}, 400, "logprobs"),
         ({"prompt": "hi"}, 400, "model"),
     ],
 )

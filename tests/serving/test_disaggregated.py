@@ -3,6 +3,7 @@ prefix caching through the router, and a decode worker killed mid-stream."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import time
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -115,6 +117,27 @@ def test_disaggregated_greedy_output_is_token_identical_to_single_process(disagg
     assert metric_sum(metrics(disagg["prefill"]), "pagoda_kv_transfer_pages_total", direction="sent") > 0
 
 
+def test_logprobs_come_through_the_router_first_token_and_prompt_included(disagg, stack) -> None:
+    """The first token is sampled on the prefill worker: its entry (and the prompt logprobs of echo)
+    travel in the prefill answer and the router puts them in place in the decode stream."""
+    from .test_logprobs_live import check_chat, check_completions
+
+    check_chat(disagg["router"], stack.offline_chat)
+    check_completions(disagg["router"])
+    r = client(disagg["router"]).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stop=["France"], logprobs=True
+    )
+    content, tokens = r.choices[0].message.content, [t.token for t in r.choices[0].logprobs.content]
+    assert (
+        "France" in stack.offline_chat and content == stack.offline_chat[: stack.offline_chat.index("France")]
+    )
+    assert (
+        tokens
+        and "".join(tokens).startswith(content)
+        and "".join(tokens[:-1]) == content[: len("".join(tokens[:-1]))]
+    )
+
+
 def test_prefix_cache_through_the_router_is_per_tenant(disagg) -> None:
     prompt = "A long shared preamble about lighthouses, keepers, storms and ships at night. " * 3
 
@@ -164,6 +187,57 @@ def test_the_internal_plane_needs_the_token_but_health_does_not(disagg) -> None:
     assert metric_sum(m, "pagoda_auth_failures_total", plane="internal", reason="replayed") >= 1
 
 
+def test_a_json_schema_constraint_holds_across_the_process_handoff(disagg) -> None:
+    """The internal plane as the router drives it, with a constraint in the params: the prefill
+    worker samples the first token under the mask, the decode worker replays it and decodes on."""
+    from pagoda.node_agent.params import SamplingParams, params_to_json
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    guided = {"type": "json_schema", "schema": schema}
+    params = params_to_json(SamplingParams(max_tokens=32, temperature=0.0, guided=guided))
+    auth, rid = InternalAuth(TOKEN), "guided-handoff"
+    ask = [{"role": "user", "content": "Describe a person named Bob who is 30, as JSON."}]
+    with httpx.Client(timeout=120) as http:
+        req = http.build_request(
+            "POST", disagg["decode"] + "/internal/decode", json={"request_id": rid, "params": params}
+        )
+        req.headers.update(auth.headers("POST", "/internal/decode"))
+        resp = http.send(req, stream=True)
+        lines = resp.iter_lines()
+        grant = json.loads(next(lines))
+        body = {"prompt": ask, "chat": True, "params": params, "request_id": rid, **grant}
+        r = http.post(
+            disagg["prefill"] + "/internal/prefill",
+            json=body,
+            headers=auth.headers("POST", "/internal/prefill"),
+        )
+        assert r.status_code == 200 and r.json()["status"] == "handed_off", r.text
+        chunks = [json.loads(x)["chunk"] for x in lines if x.strip()]
+    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "stop", chunks[-1]
+    jsonschema.validate(json.loads("".join(c["delta"] for c in chunks)), schema)
+    # a constraint the prefill worker cannot compile is a 400 naming its param
+    bad = params_to_json(SamplingParams(guided={"type": "regex", "pattern": "(", "param": "tools"}))
+    body = {"prompt": "hi", "params": bad, **grant}
+    r = httpx.post(
+        disagg["prefill"] + "/internal/prefill", json=body, headers=auth.headers("POST", "/internal/prefill")
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_the_agent_api_through_the_router(disagg) -> None:
+    """Tool calls (the grammar's first token sampled on the prefill worker, the rest on the decode
+    worker), a JSON-schema reply and logprobs, through router, prefill and decode."""
+    from .agent_checks import check_agent_api
+
+    check_agent_api(disagg["router"])
+
+
+# Kills the decode worker: keep it the module's last test.
 def test_killing_the_decode_worker_mid_stream_errors_promptly(disagg) -> None:
     c = client(disagg["router"])
     stream = c.completions.create(

@@ -8,7 +8,9 @@ supervisor stops the router first and kills everything on a second signal."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -148,9 +150,12 @@ class DrainingLive:
         return not self.thread.is_alive()
 
 
-def test_requests_still_running_at_the_deadline_end_with_an_explicit_error(make_engine):
-    """A stream gets a ``drain_timeout`` error event, a non-streaming request a 503 with that code."""
+def test_requests_still_running_at_the_deadline_end_with_an_explicit_error(make_engine, caplog):
+    """A stream gets a ``drain_timeout`` error event, a non-streaming request a 503 with that code;
+    each cut is one WARNING line naming the request, never a traceback."""
     from pagoda.node_agent.cli.serve import build_app
+
+    caplog.set_level(logging.INFO)
 
     engine = make_engine(kv_memory=64 << 20, max_num_seqs=4, max_model_len=1100)
     app = build_app(serve_args("--drain-timeout", "1"), engine=engine)
@@ -178,6 +183,10 @@ def test_requests_still_running_at_the_deadline_end_with_an_explicit_error(make_
     assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
     m = parse_metrics(app.state.settings.metrics.render().decode())
     assert metric_sum(m, "pagoda_drain_cut_requests_total") == 2
+    gc.collect()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    cuts = [r.getMessage() for r in caplog.records if "ended at the drain deadline" in r.getMessage()]
+    assert len(cuts) == 2 and all("cmpl-" in c for c in cuts), caplog.text
 
 
 def signed(method: str, url: str, path: str, **kw) -> httpx.Response:

@@ -433,4 +433,7 @@ def test_the_decode_worker_survives_kv_fuzzing(fuzz_env: Env) -> None:
     assert legit and all(r == baseline for r in legit), (baseline, legit)
     assert metric_sum(m, "pagoda_auth_failures_total", plane="kv") > 0
     assert metric_sum(m, "pagoda_kv_transfer_failures_total", reason="invalid") > 0
-    assert metric_sum(m, "pagoda_kv_transfer_failures_total", reason="timeout") >= 6
+    stalled = sum(
+        metric_sum(m, "pagoda_kv_transfer_failures_total", reason=r) for r in ("timeout", "auth_timeout")
+    )
+    assert stalled >= 6  # mid-page stalls hit the frame timeout, mid-header ones the auth deadline

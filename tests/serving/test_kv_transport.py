@@ -428,20 +428,141 @@ def test_a_slow_trickle_hits_the_handoff_deadline() -> None:
     assert not ack["ok"] and "longer than 0.3s" in ack["error"] and r.reasons() == ["timeout"]
 
 
-def test_connections_beyond_the_cap_are_answered_busy_at_once() -> None:
+def test_handoffs_beyond_the_cap_are_answered_busy_once_authenticated() -> None:
+    """Only a verified header takes a handoff slot; one more authenticated handoff is busy."""
+
     async def go(r: Rig) -> dict:
         host, _, port = r.addr.rpartition(":")
-        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        held = []
+        for _ in range(2):  # two handoffs that verified their MAC, then stall
+            rd, w = await asyncio.open_connection(host, int(port))
+            w.write(header_frame(AUTH, header_of("t1" if not held else "t2", payload(), GEN_LEN)))
+            await w.drain()
+            held.append((rd, w))
         while r.rx.active < 2:
             await asyncio.sleep(0.01)
-        ack = await r.raw(payload_frames("t1", payload(), AUTH))
+        r.parked.add("t3")
+        ack = await r.raw(payload_frames("t3", payload(), AUTH))
         for _, w in held:
             w.close()
         return ack
 
     ack, r = run(go, max_handoffs=2)
     assert not ack["ok"] and ack["error"].startswith("busy") and "busy" in r.reasons()
-    assert "t1" not in r.claimed
+    assert "t3" not in r.claimed
+
+
+async def _idle(r: Rig, n: int) -> list[asyncio.StreamWriter]:
+    host, _, port = r.addr.rpartition(":")
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(n)]
+    while r.rx.connections < n:
+        await asyncio.sleep(0.01)
+    return [w for _, w in conns]
+
+
+def test_idle_unauthenticated_connections_hold_no_slot_and_a_handoff_still_lands() -> None:
+    async def go(r: Rig) -> tuple[dict, int, int]:
+        idle = await _idle(r, 12)
+        held = (r.rx.active, r.rx.unauthenticated)
+        ack = await r.raw(payload_frames("t1", payload(), AUTH))
+        for w in idle:
+            w.close()
+        return ack, *held
+
+    (ack, active, waiting), r = run(go, max_handoffs=2)
+    assert ack == {"ok": True} and "t1" in r.got
+    assert (active, waiting) == (0, 12)
+
+
+def test_over_the_unauthenticated_caps_the_oldest_connection_is_closed() -> None:
+    async def go(r: Rig) -> tuple[dict, int]:
+        host, _, port = r.addr.rpartition(":")
+        idle = [(await asyncio.open_connection(host, int(port)))[1] for _ in range(6)]
+        while r.reasons().count("evicted") < 2:  # 6 from one peer, 4 allowed: the 2 oldest went
+            await asyncio.sleep(0.01)
+        ack = await r.raw(payload_frames("t1", payload(), AUTH))  # the newest: it evicts, not is evicted
+        waiting = r.rx.unauthenticated
+        for w in idle:
+            w.close()
+        return ack, waiting
+
+    (ack, waiting), r = run(go, max_unauthenticated_per_peer=4, max_unauthenticated=8)
+    assert ack == {"ok": True} and waiting == 3  # its arrival closed one more of the idle ones
+    assert r.reasons().count("evicted") == 3
+
+
+def test_a_silent_or_slow_peer_is_closed_at_the_auth_deadline_and_releases_everything() -> None:
+    frame = header_frame(AUTH, header_of("t1", payload(), GEN_LEN))
+
+    async def go(r: Rig) -> tuple[bytes, bool]:
+        host, _, port = r.addr.rpartition(":")
+        rd, w = await asyncio.open_connection(host, int(port))  # silent
+        _, w2 = await asyncio.open_connection(host, int(port))  # a valid header, one byte a tick
+        finished = False
+        with contextlib.suppress(OSError):
+            for b in frame:
+                w2.write(bytes([b]))
+                await w2.drain()
+                await asyncio.sleep(0.03)
+            finished = True
+        silent = await asyncio.wait_for(rd.read(), 5)
+        w.close()
+        w2.close()
+        while r.rx.connections:
+            await asyncio.sleep(0.01)
+        return silent, finished
+
+    (silent, finished), r = run(go, auth_timeout_s=0.3, frame_timeout_s=5)
+    assert b"auth_timeout" in silent and not finished  # the trickle was cut off before its end
+    assert r.reasons() == ["auth_timeout", "auth_timeout"] and r.auth_failures == ["auth_timeout"] * 2
+    assert (r.rx.active, r.rx.unauthenticated, r.rx.connections, r.rx.reserved_pages) == (0, 0, 0, 0)
+    assert not r.claimed
+
+
+def test_connections_beyond_the_total_cap_are_closed_at_once() -> None:
+    async def go(r: Rig) -> bytes:
+        idle = await _idle(r, 3)
+        host, _, port = r.addr.rpartition(":")
+        rd, w = await asyncio.open_connection(host, int(port))
+        got = await asyncio.wait_for(rd.read(), 5)
+        for x in [*idle, w]:
+            x.close()
+        return got
+
+    got, r = run(go, max_connections=3)
+    assert got == b"" and "conn_limit" in r.reasons()
+
+
+def _poisoned(value: float, dtype=torch.float32) -> KVPayload:
+    p = payload(dtype)
+    p.layers[1]["v"][2, 1, 0, 3] = value  # one value of the last page of the last layer
+    return p
+
+
+@pytest.mark.parametrize(
+    "value,dtype,reason",
+    [
+        (float("nan"), torch.float32, "non_finite"),
+        (float("inf"), torch.bfloat16, "non_finite"),
+        (-float("inf"), torch.float32, "non_finite"),
+        (3e38, torch.float32, "out_of_range"),
+        (3e38, torch.bfloat16, "out_of_range"),
+    ],
+)
+def test_pages_with_non_finite_or_out_of_range_values_are_refused(value, dtype, reason) -> None:
+    async def go(r: Rig) -> dict:
+        return await r.raw(payload_frames("t1", _poisoned(value, dtype), AUTH))
+
+    ack, r = run(go)
+    assert not ack["ok"] and ack["reason"] == reason and "KV pages hold" in ack["error"]
+    assert r.errors == [(reason, r.errors[0][1], "t1")] and not r.got and r.rx.reserved_pages == 0
+
+
+def test_fp8_pages_with_a_nan_encoding_are_refused() -> None:
+    p = payload(torch.float8_e4m3fn, scales=True)
+    p.layers[0]["k"].view(torch.uint8)[1, 0, 0, 0] = 0xFF  # e4m3fn NaN
+    ack, r = run(lambda r: r.raw(payload_frames("t1", p, AUTH)))
+    assert not ack["ok"] and ack["reason"] == "non_finite"
 
 
 def test_limits_bound_every_frame() -> None:

@@ -29,7 +29,9 @@ def test_parse_accepts_openai_shapes() -> None:
     [
         (b'{"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
         (b'{"model": "m", "prompt": "x", "presence_penalty": 1}', "presence_penalty"),
-        (b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        (b'{"model": "m", "prompt": "x", "echo": 1}', "echo"),
+        (b'{"model": "m", "prompt": "x", "logprobs": 21}', "logprobs"),
+        (b'{"model": "m", "prompt": "x", "logprobs": true}', "logprobs"),
         (b'{"model": "m", "prompt": []}', "prompt"),
         (b'{"model": 3, "prompt": "x"}', "model"),
     ],

@@ -1,4 +1,4 @@
-"""Weight bytes by part and by format, from a live server's /metrics and its agent report."""
+"""Weight bytes by part and by format: on a live server's /metrics, not in its agent report."""
 
 from __future__ import annotations
 
@@ -24,15 +24,18 @@ def test_metrics_split_the_weight_total_by_part_and_format(stack) -> None:
     assert metric_sum(m, "pagoda_weight_format_bytes", format="bf16") == wb["by_format"]["bf16"] > 0
 
 
-def test_agent_report_carries_the_breakdown(stack) -> None:
-    snap = stack.aengine.snapshot()
+def test_the_agent_report_leaves_the_breakdown_to_prometheus() -> None:
+    """The split by part and format is on /metrics; the pod's report keeps only the total."""
+    breakdown = {"total": 90, "embeddings": 40, "attention": 20, "mlp": 30, "by_format": {"bf16": 90}}
+    snap = EngineSnapshot(ready=True, weight_bytes=90, weight_breakdown=breakdown)
     cfg = ReporterConfig("smollm", "default", "pod-0", "decode", "node-a")
     wire = json.loads(json.dumps(build_report(cfg, snap, 1.0, dt.datetime.now(dt.UTC)).to_status()))
-    wb = stack.engine.model.weight_bytes()
-    assert wire["weights"] == {**{p: wb[p] for p in WEIGHT_PARTS}, "byFormat": wb["by_format"]}
-    report = AgentReport.from_status(wire)  # as the operator reads it
-    assert sum(report.weights.parts.values()) == report.weight_bytes == wb["total"]
-    assert sum(report.weights.by_format.values()) == wb["total"]
+    assert "weights" not in wire and wire["weightBytes"] == 90
+    report = AgentReport.from_status(wire)  # as the operator reads it: zeros, as from an older agent
+    assert report.weight_bytes == 90 and not any(report.weights.parts.values())
+    m = parse_metrics(ServeMetrics("decode", lambda: snap).render().decode())
+    assert metric_sum(m, "pagoda_weight_part_bytes", part="mlp") == 30
+    assert metric_sum(m, "pagoda_weight_format_bytes", format="bf16") == 90
 
 
 def test_no_breakdown_before_the_engine_reports() -> None:

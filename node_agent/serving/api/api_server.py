@@ -31,9 +31,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagoda.node_agent.serving.api.auth import ApiKeys
 from pagoda.node_agent.serving.api.backend import Backend, GenRequest, Handle, StreamChunk
-from pagoda.node_agent.serving.api.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
+from pagoda.node_agent.serving.api.chat_output import ChatReader
+from pagoda.node_agent.serving.api.chat_plan import plan_chat
+from pagoda.node_agent.serving.api.drain import CUT_SCOPE_KEY, DEFAULT_DRAIN_TIMEOUT_S, Drain, DrainGate
 from pagoda.node_agent.serving.api.errors import ApiError, RequestFailed
+from pagoda.node_agent.serving.api.logprobs import Gathered, Shaper
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
+from pagoda.node_agent.serving.api.prompt_limits import check_prompt_bytes
 from pagoda.node_agent.serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +64,7 @@ class ApiSettings:
     tenancy: TenantPolicy
     metrics: ServeMetrics
     max_body_bytes: int = 1 << 20
+    max_prompt_bytes: int | None = None  # prompt text, before tokenizing (413); None: the body limit only
     api_keys: ApiKeys | None = None  # None: no authentication
     body_timeout_s: float = 30.0  # to receive a whole request body
     default_max_tokens: int = 16
@@ -237,6 +242,8 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
         salt = salt_of(request)
         session = request.headers.get(SESSION_HEADER)
         n = req.choices_per_prompt
+        for p in req.prompts():
+            check_prompt_bytes(p, settings.max_prompt_bytes, "prompt")
         gens = [
             GenRequest(p, req.sampling(max_tokens, i * n + j), False, salt, session)
             for i, p in enumerate(req.prompts())
@@ -250,12 +257,19 @@ def create_app(backend: Backend | None, settings: ApiSettings) -> FastAPI:
         max_tokens = req.requested_max_tokens() or settings.default_chat_max_tokens
         salt = salt_of(request)
         session = request.headers.get(SESSION_HEADER)
-        msgs = req.chat_messages()
-        gens = [
-            GenRequest(msgs, req.sampling(max_tokens, j), True, salt, session)
-            for j in range(req.choices_per_prompt)
-        ]
-        return await respond(request, backend, gens, req, kind="chat.completion", chat=True)
+        fmt = backend.chat_format()
+        plan = plan_chat(req, fmt)
+        check_prompt_bytes(plan.prompt, settings.max_prompt_bytes, "messages")
+        gens = []
+        for j in range(req.choices_per_prompt):
+            params = req.sampling(max_tokens, j)
+            params.guided = plan.guided
+            # a family's tool-call and reasoning markers are often special tokens: keep them in the
+            # text its parser reads (the generic envelope is plain JSON)
+            params.skip_special_tokens = plan.tool_parser in (None, "generic") and not fmt.reasoning_parser
+            gens.append(GenRequest(plan.prompt, params, True, salt, session))
+        readers = [ChatReader(plan, fmt) for _ in gens]
+        return await respond(request, backend, gens, req, "chat.completion", True, readers, metrics)
 
     return app
 
@@ -315,50 +329,85 @@ def check_model(model: str, names: list[str]) -> None:
 
 
 async def respond(
-    request: Request, backend: Backend, gens: list[GenRequest], req: Any, kind: str, chat: bool
+    request: Request,
+    backend: Backend,
+    gens: list[GenRequest],
+    req: Any,
+    kind: str,
+    chat: bool,
+    readers: list[ChatReader] | None = None,
+    metrics: ServeMetrics | None = None,
 ) -> Response:
+    """``readers``: one per chat choice, reading tool calls and reasoning out of its text."""
     handles = await backend.open_all(gens)  # all choices admitted at once, or none
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = req.model
+    shaper = Shaper.of(req, gens, chat)  # each choice's text and logprobs in the endpoint's shape
     if req.streaming:
         return StreamingResponse(
-            stream_events(handles, rid, model, chat, req.include_usage(), req.choices_per_prompt),
+            stream_events(
+                handles,
+                rid,
+                model,
+                chat,
+                req.include_usage(),
+                req.choices_per_prompt,
+                shaper,
+                readers,
+                metrics,
+                request.scope,
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await complete(request, handles, rid, model, kind, chat, req.choices_per_prompt)
+    return await complete(
+        request, handles, rid, model, kind, chat, req.choices_per_prompt, shaper, readers, metrics
+    )
 
 
 async def collect(handle: Handle) -> tuple[str, StreamChunk]:
     text: list[str] = []
     last: StreamChunk | None = None
+    lps = Gathered()
     async for chunk in handle:
         text.append(chunk.delta)
+        lps.add(chunk)
         last = chunk
     if last is None:
         raise RequestFailed("the request ended without output")
-    return "".join(text), last
+    return "".join(text), lps.onto(last)
 
 
 async def complete(
-    request: Request, handles: list[Handle], rid: str, model: str, kind: str, chat: bool, n: int
+    request: Request,
+    handles: list[Handle],
+    rid: str,
+    model: str,
+    kind: str,
+    chat: bool,
+    n: int,
+    shaper: Shaper | None = None,
+    readers: list[ChatReader] | None = None,
+    metrics: ServeMetrics | None = None,
 ) -> Response:
-    """Wait for every choice; a client disconnect aborts them all."""
+    """Wait for every choice; a client disconnect aborts them all (one log line, no traceback)."""
     work = asyncio.ensure_future(asyncio.gather(*(collect(h) for h in handles)))
     gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # e.g. ended at the drain deadline: stop its work too
-        work.cancel()
+        cancel_quietly(work)
         for h in handles:
             h.abort()
+        log_early_end(rid, request.scope)
         raise
     finally:
-        gone.cancel()
+        cancel_quietly(gone)
     if not work.done():
-        work.cancel()
+        cancel_quietly(work)
         for h in handles:
             h.abort()
+        log.info("request %s: the client disconnected; aborted", rid)
         return Response(status_code=499)
     try:
         results = work.result()
@@ -371,18 +420,22 @@ async def complete(
             ) from exc
         raise
     choices = []
+    shaper = shaper or Shaper(chat, [])
     for i, (text, last) in enumerate(results):
+        text, lps = shaper.final(i, text, last)
         if chat:
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": last.finish_reason,
-                    "logprobs": None,
-                }
-            )
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = last.finish_reason
+            if readers is not None:
+                reader = readers[i]
+                reader.feed(text)
+                reader.finish()
+                message, reason = reader.message(), reader.finish_reason(last.finish_reason)
+                if metrics is not None:
+                    reader.record(metrics, last.finish_reason)
+            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lps})
         else:
-            choices.append({"index": i, "text": text, "finish_reason": last.finish_reason, "logprobs": None})
+            choices.append({"index": i, "text": text, "finish_reason": last.finish_reason, "logprobs": lps})
     body = {
         "id": rid,
         "object": kind,
@@ -404,6 +457,43 @@ def total_usage(lasts: list[StreamChunk], n: int) -> dict[str, Any]:
     )
 
 
+def chat_events(
+    reader: ChatReader, text: str, item: StreamChunk, metrics: ServeMetrics | None
+) -> list[tuple[dict[str, Any], str | None]]:
+    """(delta parts, finish_reason) of the stream chunks one engine chunk of a chat choice makes
+    (``text``: the chunk's new text)."""
+    deltas = reader.feed(text) if text else []
+    if not item.finished:
+        return [(d, None) for d in deltas]
+    deltas += reader.finish()
+    if metrics is not None:
+        reader.record(metrics, item.finish_reason)
+    out: list[tuple[dict[str, Any], str | None]] = [(d, None) for d in deltas]
+    out.append(({}, reader.finish_reason(item.finish_reason)))
+    return out
+
+
+def _reap(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: never logged as "exception was never retrieved"
+
+
+def cancel_quietly(fut: asyncio.Future) -> None:
+    """Cancel ``fut`` and retrieve whatever it ends with (a cancelled gather ends with an exception
+    that asyncio would otherwise log with a traceback when the future is collected)."""
+    fut.cancel()
+    fut.add_done_callback(_reap)
+
+
+def log_early_end(rid: str, scope: Scope | None) -> None:
+    """The one line for a request that ended before its response did: cut at the drain deadline,
+    or its client went away."""
+    if scope is not None and scope.get(CUT_SCOPE_KEY):
+        log.warning("request %s: ended at the drain deadline", rid)
+    else:
+        log.info("request %s: the client disconnected; aborted", rid)
+
+
 async def wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
@@ -412,10 +502,20 @@ async def wait_disconnect(request: Request) -> None:
 
 
 async def stream_events(
-    handles: list[Handle], rid: str, model: str, chat: bool, include_usage: bool, n: int
+    handles: list[Handle],
+    rid: str,
+    model: str,
+    chat: bool,
+    include_usage: bool,
+    n: int,
+    shaper: Shaper | None = None,
+    readers: list[ChatReader] | None = None,
+    metrics: ServeMetrics | None = None,
+    scope: Scope | None = None,
 ) -> AsyncIterator[bytes]:
     """SSE chunks of every choice, interleaved, then usage (if asked) and ``[DONE]``; an error event
-    ends the stream when a choice fails. Closing the generator (client gone) aborts them all."""
+    ends the stream when a choice fails. Closing the generator (client gone, drain cut) aborts them
+    all and logs one line (``scope``: the request's, to tell a drain cut from a disconnect)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     merged: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
 
@@ -429,14 +529,25 @@ async def stream_events(
         except Exception as exc:  # forwarded to the consumer
             await merged.put((i, exc))
 
-    def chunk(i: int, delta: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+    shaper = shaper or Shaper(chat, [])
+
+    def chunk(
+        i: int,
+        delta: str | None,
+        reason: str | None,
+        role: bool = False,
+        lps: dict | None = None,
+        parts: dict | None = None,
+    ) -> dict[str, Any]:
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if delta:
                 d["content"] = delta
-            choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": reason, "logprobs": None}
+            if parts:
+                d.update(parts)
+            choice: dict[str, Any] = {"index": i, "delta": d, "finish_reason": reason, "logprobs": lps}
         else:
-            choice = {"index": i, "text": delta or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": i, "text": delta or "", "finish_reason": reason, "logprobs": lps}
         return {"id": rid, "object": obj, "created": now(), "model": model, "choices": [choice]}
 
     def failure(exc: BaseException) -> ApiError:
@@ -466,8 +577,15 @@ async def stream_events(
                     yield sse(failure(item).body())
                     return
                 last[i] = item
-                if item.delta or item.finished:
-                    yield sse(chunk(i, item.delta, item.finish_reason if item.finished else None))
+                text, lps, says = shaper.delta(i, item)  # echo and logprobs (logprobs.py)
+                if readers is not None:
+                    events = chat_events(readers[i], text, item, metrics)
+                    for k, (parts, reason) in enumerate(events):
+                        yield sse(chunk(i, None, reason, lps=lps if k == 0 else None, parts=parts))
+                    if not events and lps:  # logprobs of tokens whose text is not out yet
+                        yield sse(chunk(i, None, None, lps=lps))
+                elif says or item.finished:
+                    yield sse(chunk(i, text, item.finish_reason if item.finished else None, lps=lps))
             if include_usage:
                 lasts = [last[i] for i in sorted(last)]
                 yield sse(
@@ -490,3 +608,5 @@ async def stream_events(
         if failed or open_:
             for h in handles:
                 h.abort()
+        if open_ and not failed:
+            log_early_end(rid, scope)

@@ -10,11 +10,35 @@ from typing import Any, Protocol
 from pagoda.node_agent.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class ChatFormat:
+    """How the served model's chat template meets tools and reasoning (reported by the worker)."""
+
+    tool_parser: str = "generic"  # a family parser name, or "generic" (no tool support in the template)
+    reasoning_parser: str | None = None  # None: no reasoning separation
+    reasoning_open: bool = False  # the generation prompt already opens the reasoning block
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> ChatFormat:
+        if not isinstance(d, dict):
+            return cls()
+        parser = d.get("tool_parser")
+        reasoning = d.get("reasoning_parser")
+        return cls(
+            parser if isinstance(parser, str) else "generic",
+            reasoning if isinstance(reasoning, str) else None,
+            d.get("reasoning_open") is True,
+        )
+
+
 @dataclass
 class GenRequest:
     """One prompt to generate for (one choice of an API request)."""
 
-    prompt: str | list[int] | list[dict]
+    prompt: str | list[int] | list[dict] | dict  # a dict: {"messages", "tools"} for the template
     params: SamplingParams
     chat: bool = False
     cache_salt: str = ""
@@ -33,6 +57,11 @@ class StreamChunk:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    # logprobs (docs/logprobs.md): OpenAI-shaped entries of the tokens new in this chunk, when asked;
+    # on the internal plane an entry is None for a handoff's first token (the router fills it in)
+    logprobs: list[dict | None] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # first chunk only; the first prompt token None
+    prompt_text: str | None = None  # with prompt_logprobs: the decoded prompt (its tokens joined)
 
     @classmethod
     def of(cls, out: Any) -> StreamChunk:
@@ -45,6 +74,9 @@ class StreamChunk:
             len(out.prompt_token_ids),
             out.num_cached_tokens,
             out.error,
+            out.logprobs,
+            out.prompt_logprobs,
+            out.prompt_text,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -73,6 +105,10 @@ class Backend(Protocol):
     def ready(self) -> bool: ...
 
     def ready_detail(self) -> dict[str, Any]: ...
+
+    def chat_format(self) -> ChatFormat:
+        """The served model's chat format (tool parser, reasoning), as its worker reports it."""
+        ...
 
     async def open(self, req: GenRequest) -> Handle: ...
 

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError
+from pagoda.node_agent.serving.api.http_limits import HttpLimits, uvicorn_config
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
 from pagoda.node_agent.serving.api.protocol import sse
 
@@ -39,6 +40,7 @@ log = logging.getLogger("pagoda.drain")
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 PROBES = frozenset({"/health", "/ready"})  # answer "draining" while draining
 UNCOUNTED = frozenset({"/health", "/ready", "/metrics", "/internal/state"})  # never wait for these
+CUT_SCOPE_KEY = "pagoda.drain_cut"  # set in a request's ASGI scope when the drain deadline cuts it
 POLL_S = 0.05
 CUT_GRACE_S = 5.0  # for requests ended at the deadline to send their error
 
@@ -70,6 +72,7 @@ class _Flight:
     """One request the drain waits for."""
 
     task: asyncio.Task
+    scope: Scope | None = None
     started: bool = False  # its response headers went out
     ended: bool = False  # its last body chunk went out
     content_type: str = ""
@@ -120,6 +123,8 @@ class Drain:
                 self.metrics.drain_cut.labels(self.metrics.pool).inc(len(left))
         for f in left:
             f.cut = True
+            if f.scope is not None:
+                f.scope[CUT_SCOPE_KEY] = True
             f.task.cancel()
         end = loop.time() + CUT_GRACE_S
         while self.flights and loop.time() < end:
@@ -152,7 +157,7 @@ class DrainGate:
             return
         task = asyncio.current_task()
         assert task is not None
-        flight = _Flight(task)
+        flight = _Flight(task, scope)
 
         async def watch(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -224,9 +229,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app: ASGIApp, drain: Drain, host: str, port: int, log_level: str) -> int:
-    """Run ``app`` until drained after SIGTERM/SIGINT: 0, or 1 when the server failed to start."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+def serve(
+    app: ASGIApp, drain: Drain, host: str, port: int, log_level: str, limits: HttpLimits | None = None
+) -> int:
+    """Run ``app`` until drained after SIGTERM/SIGINT: 0, or 1 when the server failed to start
+    (``limits``: its connection limits, http_limits.py)."""
+    config = uvicorn_config(app, host, port, log_level, limits, timeout_graceful_shutdown=5)
     server = DrainingServer(config, drain)
     server.run()
     return 0 if server.started else 1

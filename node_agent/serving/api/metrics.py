@@ -55,6 +55,8 @@ class EngineSnapshot:
     weight_breakdown: dict[str, Any] = field(default_factory=dict)  # EngineState.weight_breakdown
     formats: dict[str, str] = field(default_factory=dict)
     prefix_hit_tokens: int = 0
+    preemptions: dict[str, int] = field(default_factory=dict)  # by KV pool (EngineState.preemptions_by_pool)
+    step_budget: dict[str, Any] = field(default_factory=dict)  # EngineState.step_budget ({}: no budget)
     generation_tokens: int = 0
     model: str = ""
 
@@ -101,6 +103,22 @@ class ServeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "pagoda_queue_time_seconds",
+            "Time a request waited in the admission queue, from arrival to its first token",
+            ["pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_refusals = Counter(
+            "pagoda_queue_refusals",
+            "Requests refused by the admission queue: queue_full, expected_wait (over the maximum "
+            "queue time), tenant_share (the tenant holds its share), timeout (waited past it)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        for reason in ("queue_full", "expected_wait", "tenant_share", "timeout"):
+            self.queue_refusals.labels(pool, reason)
         self.prompt_tokens = Counter(
             "pagoda_prompt_tokens", "Prompt tokens of finished requests", ["pool"], registry=r
         )
@@ -168,6 +186,25 @@ class ServeMetrics:
             registry=r,
         )
         self.drain_cut.labels(pool)
+        self.tool_calls = Counter(
+            "pagoda_tool_calls",
+            "Tool calls read from replies: valid (an offered function, arguments valid against its "
+            "schema) or invalid (unparseable, an unknown function, arguments failing the schema)",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.structured = Counter(
+            "pagoda_structured_output",
+            "Replies under response_format json_object/json_schema, by kind and result (valid, "
+            "invalid, incomplete: ended by max_tokens before the grammar finished)",
+            ["pool", "kind", "result"],
+            registry=r,
+        )
+        for result in ("valid", "invalid"):
+            self.tool_calls.labels(pool, result)
+        for kind in ("json_object", "json_schema"):
+            for result in ("valid", "invalid", "incomplete"):
+                self.structured.labels(pool, kind, result)
         self.worker_ready = _WorkerGauge(pool)
         r.register(self.worker_ready)
         if snapshot is not None:
@@ -176,6 +213,7 @@ class ServeMetrics:
             self.requests.labels(pool, outcome)
         for m in (
             self.ttft,
+            self.queue_time,
             self.itl,
             self.e2e,
             self.prompt_tokens,
@@ -230,6 +268,8 @@ class EngineCollector(Collector):
             cap.add_metric([p, pool.name], pool.capacity_tokens)
             used_tok.add_metric([p, pool.name], pool.num_used * pool.page_size)
         yield from (total, used, cap, used_tok)
+        yield preemption_family(p, s)
+        yield from step_budget_families(p, s.step_budget)
         yield _gauge("pagoda_running_sequences", "Sequences in the running batch", p, s.running)
         yield _gauge("pagoda_waiting_sequences", "Sequences queued for admission", p, s.waiting)
         yield _gauge(
@@ -281,6 +321,80 @@ class EngineCollector(Collector):
         yield from protocol_families(s)
 
 
+def preemption_family(pool: str, s: EngineSnapshot) -> CounterMetricFamily:
+    """``pagoda_preemptions_total{pool, kv_pool, kv_format}``: running sequences whose KV pages were
+    freed to make room (each is recomputed later), by the KV pool the pages were in."""
+    c = CounterMetricFamily(
+        "pagoda_preemptions",
+        "Running sequences preempted (KV pages freed, recomputed later), by the KV pool they were in",
+        labels=["pool", "kv_pool", "kv_format"],
+    )
+    formats = {kv.name: kv.kv_format for kv in s.pools}
+    for name, n in sorted(s.preemptions.items()):
+        c.add_metric([pool, name, formats.get(name, "")], n)
+    return c
+
+
+def step_budget_families(pool: str, b: dict[str, Any]) -> list[Metric]:
+    """The time-budgeted step (engine/step_budget.py): predicted and measured step seconds by phase,
+    and the budgeted prefill steps' planned stall against their inter-token target (none without one)."""
+    if not b:
+        return []
+    phase = ["pool", "phase"]
+    steps = CounterMetricFamily(
+        "pagoda_step_timed", "Steps timed against a cost-model prediction", labels=phase
+    )
+    pred = CounterMetricFamily(
+        "pagoda_step_predicted_seconds", "Predicted seconds of the timed steps (cost model)", labels=phase
+    )
+    real = CounterMetricFamily(
+        "pagoda_step_actual_seconds", "Measured seconds of the timed steps", labels=phase
+    )
+    for ph in sorted(b.get("timed_steps", {})):
+        steps.add_metric([pool, ph], b["timed_steps"][ph])
+        pred.add_metric([pool, ph], b["predicted_s"].get(ph, 0.0))
+        real.add_metric([pool, ph], b["actual_s"].get(ph, 0.0))
+    target_sum = b.get("target_s", 0.0)
+    return [
+        steps,
+        pred,
+        real,
+        _counter(
+            "pagoda_step_budgeted",
+            "Prefill steps sized by the time budget (decodes running)",
+            pool,
+            b.get("budgeted_steps", 0),
+        ),
+        _counter(
+            "pagoda_step_budget_floor",
+            "Budgeted prefill steps the floor pushed past the target",
+            pool,
+            b.get("floor_steps", 0),
+        ),
+        _counter(
+            "pagoda_step_budget_planned_seconds",
+            "Planned stall (decode + prefill step) of the budgeted steps, predicted",
+            pool,
+            b.get("planned_s", 0.0),
+        ),
+        _counter(
+            "pagoda_step_budget_target_seconds", "Inter-token targets of the budgeted steps", pool, target_sum
+        ),
+        _gauge(
+            "pagoda_step_budget_utilisation",
+            "Planned stall over target of the budgeted steps so far (0-1; above 1 where the floor binds)",
+            pool,
+            b.get("planned_s", 0.0) / target_sum if target_sum > 0 else 0.0,
+        ),
+        _gauge(
+            "pagoda_itl_target_seconds",
+            "The inter-token target of the latest budgeted step",
+            pool,
+            b.get("last_target_s", 0.0),
+        ),
+    ]
+
+
 def kernel_backends() -> dict[str, str]:
     """op -> backend of the kernel selection this process's model was built with ({} before one, and
     in a process that runs no model: the kernels are not even imported there, so neither is torch)."""
@@ -298,21 +412,27 @@ PROTOCOL_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # the same, under the name 
 PROTOCOL_CACHE_INFO = "vllm:cache_config_info"  # block_size: the KV page size in tokens
 
 
-def protocol_families(s: EngineSnapshot) -> list[GaugeMetricFamily]:
-    """The model-server protocol gauges of one engine snapshot, labelled ``model_name``."""
-    label = ["model_name"]
-    capacity = s.kv_capacity_tokens
-    usage = s.kv_used_tokens / capacity if capacity > 0 else 0.0
+def protocol_gauges(
+    model: str, waiting: int, running: int, used: int, capacity: int
+) -> list[GaugeMetricFamily]:
+    """The protocol's load gauges (queue, batch, KV-cache use), labelled ``model_name``."""
+    usage = used / capacity if capacity > 0 else 0.0
     out = []
     for name, doc, value in (
-        (PROTOCOL_WAITING, "Requests queued for admission (pagoda_waiting_sequences)", s.waiting),
-        (PROTOCOL_RUNNING, "Requests in the running batch (pagoda_running_sequences)", s.running),
+        (PROTOCOL_WAITING, "Requests queued for admission (pagoda_waiting_sequences)", waiting),
+        (PROTOCOL_RUNNING, "Requests in the running batch (pagoda_running_sequences)", running),
         (PROTOCOL_KV_USAGE, "Fraction of KV cache tokens in use, 0-1", usage),
         (PROTOCOL_KV_USAGE_OLD, "Fraction of KV cache tokens in use, 0-1 (older name)", usage),
     ):
-        g = GaugeMetricFamily(name, doc, labels=label)
-        g.add_metric([s.model], value)
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([model], value)
         out.append(g)
+    return out
+
+
+def protocol_families(s: EngineSnapshot) -> list[GaugeMetricFamily]:
+    """The model-server protocol gauges of one engine snapshot, labelled ``model_name``."""
+    out = protocol_gauges(s.model, s.waiting, s.running, s.kv_used_tokens, s.kv_capacity_tokens)
     if s.pools:
         info = GaugeMetricFamily(
             PROTOCOL_CACHE_INFO, "KV cache configuration (1)", labels=["model_name", "block_size"]

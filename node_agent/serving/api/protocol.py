@@ -19,8 +19,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagoda.node_agent.params import SamplingParams
+from pagoda.node_agent.params import MAX_LOGPROBS, SamplingParams
 from pagoda.node_agent.serving.api.errors import ApiError, printable
+from pagoda.node_agent.serving.api.logprobs import chat_wants, completion_wants
 
 MAX_N = 8
 MAX_PROMPTS = 32
@@ -60,20 +61,13 @@ COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     **COMMON_UNSUPPORTED,
-    "logprobs": _null_or_false,
     "best_of": _null_or(1),
-    "echo": _null_or_false,
     "suffix": _null_or(""),
 }
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     **COMMON_UNSUPPORTED,
-    "logprobs": _null_or_false,
-    "top_logprobs": _null,
-    "tools": _null_or_empty_list,
-    "tool_choice": _null_or("none"),
     "functions": _null_or_empty_list,
     "function_call": _null_or("none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": _null,
     "modalities": lambda v: v is None or v == [] or v == ["text"],
     "prediction": _null,
@@ -81,13 +75,14 @@ CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _null,
 }
 MESSAGE_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "name": _null,
-    "tool_calls": _null_or_empty_list,
-    "tool_call_id": _null,
     "function_call": _null,
     "refusal": _null,
     "audio": _null,
 }
+
+MAX_TOOLS = 128  # OpenAI's own limit on functions per request
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_CALLS_IN_HISTORY = 128
 
 
 class ApiModel(BaseModel):
@@ -174,6 +169,16 @@ class CompletionRequest(_Request):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = COMPLETION_UNSUPPORTED
 
+    def unsupported(self) -> None:
+        super().unsupported()
+        completion_wants(self.logprobs, self.echo, "")  # 400 naming logprobs when out of range
+
+    def sampling(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        p = super().sampling(max_tokens, index)
+        prompt = self.prompts()[index // self.choices_per_prompt]
+        p.logprobs, p.prompt_logprobs = completion_wants(self.logprobs, self.echo, prompt)
+        return p
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
@@ -197,13 +202,61 @@ class ContentPart(ApiModel):
     text: str
 
 
+class FunctionCallIn(ApiModel):
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str
+
+
+class ToolCallIn(ApiModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(ApiModel):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(ApiModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(ApiModel):
+    name: str = Field(pattern=TOOL_NAME)
+
+
+class NamedToolChoice(ApiModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(ApiModel):
+    name: str = Field(default="response", pattern=TOOL_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(ApiModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatMessage(ApiModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_CALLS_IN_HISTORY)
+    tool_call_id: str | None = Field(default=None, max_length=256)
     # accepted only with their neutral values (checked before the model is built)
-    name: None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: None = None
     function_call: None = None
     refusal: None = None
     audio: None = None
@@ -217,14 +270,14 @@ class ChatMessage(ApiModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
-    parallel_tool_calls: bool | None = None  # meaningful only with tools, which are refused
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: str | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     audio: None = None
     modalities: list[str] | None = None
     prediction: None = None
@@ -233,12 +286,105 @@ class ChatCompletionRequest(_Request):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = CHAT_UNSUPPORTED
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    def unsupported(self) -> None:
+        super().unsupported()
+        check_tools(self)
+        chat_wants(self.logprobs, self.top_logprobs)  # 400 naming top_logprobs without logprobs
+
+    def sampling(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        p = super().sampling(max_tokens, index)
+        p.logprobs = chat_wants(self.logprobs, self.top_logprobs)
+        return p
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as a chat template takes them: tool calls with their arguments as objects
+        (the Hugging Face convention), tool results with their call id."""
         role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                    }
+                    for c in m.tool_calls
+                ]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The offered tools as plain OpenAI dicts (what templates, parsers and grammars take)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def tool_choice_value(self) -> str | dict[str, Any]:
+        """``none`` / ``auto`` / ``required`` / a named function; OpenAI's default: auto with tools."""
+        c = self.tool_choice
+        if c is None:
+            return "auto" if self.tools else "none"
+        return c if isinstance(c, str) else c.model_dump()
+
+
+def _arguments(text: str) -> Any:
+    """A history tool call's arguments: the JSON object it holds, else the string as sent."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """Tools, tool_choice and response_format that fit together (400 naming the field)."""
+    names = [t.function.name for t in req.tools or []]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ApiError(400, f"tools: duplicate function name {dup[0]!r}", param="tools", code="invalid_value")
+    for i, t in enumerate(req.tools or []):
+        params = t.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            where = f"tools[{i}].function.parameters"
+            raise ApiError(
+                400, f"{where}: must be a JSON schema of an object", param=where, code="invalid_value"
+            )
+    choice = req.tool_choice
+    if choice not in (None, "none") and not names:
+        raise ApiError(
+            400, "tool_choice needs tools (or send 'none')", param="tool_choice", code="invalid_value"
+        )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise ApiError(
+            400,
+            f"tool_choice: function {choice.function.name!r} is not among the tools",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(
+                400,
+                "response_format.json_schema.schema is required for type json_schema",
+                param="response_format.json_schema",
+                code="invalid_value",
+            )
+    if fmt is not None and fmt.type != "text" and names and req.tool_choice_value() != "none":
+        raise ApiError(
+            400,
+            "response_format json_object/json_schema cannot be combined with tools here; "
+            "send tool_choice 'none' or leave the tools out",
+            param="response_format",
+            code="unsupported",
+        )
 
 
 # ---------------------------------------------------------------------------- parsing

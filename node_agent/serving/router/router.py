@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,12 +38,13 @@ from typing import Any
 import httpx
 
 from pagoda.node_agent.params import params_to_json
-from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.backend import ChatFormat, GenRequest, StreamChunk
 from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, RequestFailed
 from pagoda.node_agent.serving.api.internal_auth import InternalAuth
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
 from pagoda.node_agent.serving.router import hashing
 from pagoda.node_agent.serving.router.discovery import DnsTarget, DnsWatch, Resolver, resolve
+from pagoda.node_agent.serving.router.protocol_metrics import RouterProtocolCollector
 
 log = logging.getLogger("pagoda.router")
 
@@ -65,6 +67,9 @@ class RouterSettings:
     prefill_dns: list[DnsTarget] = field(default_factory=list)
     decode_dns: list[DnsTarget] = field(default_factory=list)
     dns_refresh_s: float = 5.0
+    tool_call_parser: str | None = None  # overrides the workers' (None or "auto": theirs)
+    reasoning_parser: str | None = None  # "none": no reasoning separation; else the workers'
+    model_name: str = ""  # the served model name: model_name of the protocol metrics on /metrics
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Worker:
     role: str
     ready: bool = False
     kv_free_tokens: int = 0
+    kv_capacity_tokens: int = 0  # these three: its own report, for the protocol metrics
+    running: int = 0
+    waiting: int = 0
     max_sequences: int = 0  # decode: sequences it decodes at once (0: not reported)
     reported_inflight: int = 0  # requests on it as it last reported (all routers)
     inflight: int = 0  # requests this router has on it now
@@ -129,10 +137,12 @@ class Router:
         for role, targets in names.items():
             for t in targets:
                 metrics.dns_errors.labels(metrics.pool, role, str(t))
+        self._chat_format = ChatFormat()  # until a prefill worker reports its own
         self._client: httpx.AsyncClient | None = None
         self._health: asyncio.Task | None = None
         self._discovery: asyncio.Task | None = None
         metrics.worker_ready.source = lambda: {(w.url, w.role): w.ready for w in self.prefill + self.decode}
+        metrics.registry.register(RouterProtocolCollector(self, settings.model_name))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -231,14 +241,30 @@ class Router:
                 w.mark_down("not ready")
             w.ready = ok
             w.kv_free_tokens = _count(state.get("kv_free_tokens"))
+            w.kv_capacity_tokens = _count(state.get("kv_capacity_tokens"))
+            w.running, w.waiting = _count(state.get("running")), _count(state.get("waiting"))
             w.max_sequences = _count(state.get("max_sequences"))
             w.reported_inflight = _count(state.get("inflight"))
+            if w.role == "prefill" and "chat_format" in state:  # prefill workers render the template
+                self._chat_format = ChatFormat.from_json(state["chat_format"])
 
     # ------------------------------------------------------------------ Backend
 
     @property
     def ready(self) -> bool:
         return any(w.ready for w in self.prefill) and any(w.ready for w in self.decode)
+
+    def chat_format(self) -> ChatFormat:
+        """The workers' chat format (--tool-call-parser / --reasoning-parser here override it)."""
+        fmt = self._chat_format
+        o = self.settings
+        if o.tool_call_parser not in (None, "auto"):
+            fmt = dataclasses.replace(fmt, tool_parser=o.tool_call_parser)
+        if o.reasoning_parser == "none":
+            fmt = dataclasses.replace(fmt, reasoning_parser=None, reasoning_open=False)
+        elif o.reasoning_parser not in (None, "auto"):
+            fmt = dataclasses.replace(fmt, reasoning_parser=o.reasoning_parser)
+        return fmt
 
     def ready_detail(self) -> dict[str, Any]:
         return {
@@ -421,6 +447,7 @@ class Router:
             None,
             int(answer.get("num_prompt_tokens") or 0),
             int(answer.get("num_cached_tokens") or 0),
+            Lead.of(answer),
         )
 
     async def _open_decode(
@@ -554,6 +581,32 @@ def _worker_error(w: Worker, status: int, body: bytes) -> ApiError:
     return ApiError(status, text, type_="server_error")
 
 
+class Lead:
+    """What the prefill worker's answer adds to the decode stream: the logprobs entry of the first
+    token (sampled on the prefill side; the decode side sends None in its place) and the prompt
+    logprobs, put on the first chunk."""
+
+    def __init__(self, first: list | None = None, prompt: list | None = None, text: str | None = None):
+        self.first = list(first or [])
+        self.prompt, self.text = prompt, text
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> Lead:
+        first, prompt, text = answer.get("logprobs"), answer.get("prompt_logprobs"), answer.get("prompt_text")
+        return cls(
+            first if isinstance(first, list) else None,
+            prompt if isinstance(prompt, list) else None,
+            text if isinstance(text, str) else None,
+        )
+
+    def fill(self, c: StreamChunk) -> StreamChunk:
+        if self.prompt is not None and c.prompt_logprobs is None:
+            c.prompt_logprobs, c.prompt_text, self.prompt = self.prompt, self.text, None
+        if c.logprobs:
+            c.logprobs = [e if e is not None or not self.first else self.first.pop(0) for e in c.logprobs]
+        return c
+
+
 class RouterHandle:
     """Token chunks relayed from a decode worker; ``abort`` closes the stream (the worker aborts).
     The handle holds one of the router's ``max_inflight`` slots until it ends or is aborted."""
@@ -568,8 +621,10 @@ class RouterHandle:
         final: StreamChunk | None,
         prompt_tokens: int = 0,
         cached_tokens: int = 0,
+        lead: Lead | None = None,
     ) -> None:
         self.router = router
+        self.lead = lead or Lead()
         self.request_id = rid
         self._stream = stream
         self.worker = worker
@@ -619,7 +674,7 @@ class RouterHandle:
                 msg = json.loads(line)
                 if "error" in msg:
                     raise RequestFailed(msg["error"].get("message", "decode failed"))
-                c = StreamChunk.from_json(msg["chunk"])
+                c = self.lead.fill(StreamChunk.from_json(msg["chunk"]))
                 c.num_prompt_tokens = c.num_prompt_tokens or self.prompt_tokens
                 c.num_cached_tokens = c.num_cached_tokens or self.cached_tokens
                 now = time.perf_counter()

@@ -1,7 +1,10 @@
 """The engine on a background thread, with one asyncio queue per request.
 
-The engine is not thread-safe: only the loop thread touches it. Submissions and aborts travel to
-it through a command queue; outputs travel back to each request's asyncio queue with
+The engine is not thread-safe: only the loop thread changes it. Submissions and aborts travel to
+it through a command queue. Before that, a constrained request's grammar is compiled on the grammar
+threads, and its prompt is measured, tokenized and length-checked on the tokenizer threads (which
+read only the tokenizer and the fixed limits), so neither ever holds up the loop's steps and the
+loop sees only token ids. Outputs travel back to each request's asyncio queue with
 ``call_soon_threadsafe``. Every accepted request ends with a finished output or an exception in
 its queue (nothing is lost), including when the engine step itself fails.
 """
@@ -23,17 +26,23 @@ from pagoda.node_agent.engine.llm_engine import LLMEngine
 from pagoda.node_agent.engine.output import RequestOutput
 from pagoda.node_agent.engine.parallel.group import ReplicaFailure
 from pagoda.node_agent.engine.prompts import Prompt
-from pagoda.node_agent.params import RequestError, SamplingParams
+from pagoda.node_agent.params import PROMPT, RequestError, SamplingParams, guided_param
 from pagoda.node_agent.serving.api.errors import RequestFailed
 from pagoda.node_agent.serving.api.metrics import EngineSnapshot, ServeMetrics
+from pagoda.node_agent.serving.api.prompt_limits import default_prompt_bytes, text_bytes, too_large
+from pagoda.node_agent.serving.worker.queue_deadline import (
+    DeadlineQueue,
+    QueueFull,
+    QueuePolicy,
+    QueueRefused,
+    QueueTimeout,
+)
 
 log = logging.getLogger("pagoda.async_engine")
 
 SNAPSHOT_EVERY_S = 0.05
-
-
-class QueueFull(RuntimeError):
-    """Too many requests in flight; the caller should answer 429 with Retry-After."""
+GRAMMAR_THREADS = 2  # constrained requests compile here, beside the engine thread
+TOKENIZE_THREADS = 2  # prompts are tokenized and length-checked here, never on the engine thread
 
 
 class EngineDead(RuntimeError):
@@ -56,6 +65,16 @@ class Submission:
 
 
 @dataclass
+class _Tokenize:
+    """A prompt to turn into checked token ids before its request goes to the engine thread."""
+
+    prompt: Prompt
+    params: SamplingParams
+    chat: bool = False
+    prefill_only: bool = False
+
+
+@dataclass
 class _Live:
     """Loop-thread bookkeeping of one in-flight request."""
 
@@ -63,6 +82,7 @@ class _Live:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
+    tenant: str | None = None  # queued for this tenant until the first token (None: not queued)
     first: float | None = None
     last: float = 0.0
     tokens: int = 0
@@ -70,7 +90,7 @@ class _Live:
 
 @dataclass
 class _Command:
-    kind: str  # "add" (queue requests with ``add``) | "abort" | "wake"
+    kind: str  # "add" (queue requests with ``add``) | "call" (run ``add``, result in ``done``) | "abort" | "wake"
     rid: str
     add: Callable[[LLMEngine], object] | None = None  # runs on the loop thread; raises on bad input
     lives: list[_Live] = field(default_factory=list)  # what ``add`` queues, all or none
@@ -123,13 +143,19 @@ class AsyncEngine:
         metrics: ServeMetrics | None = None,
         max_queue: int = 256,
         model_name: str = "",
+        queue_policy: QueuePolicy | None = None,
+        max_prompt_bytes: int | None = None,
     ) -> None:
         self.engine = engine
+        # prompt text beyond this is refused before tokenizing (default: prompt_limits.py)
+        self.max_prompt_bytes = max_prompt_bytes or default_prompt_bytes(engine.admission.max_model_len)
         self.metrics = metrics
         self.max_inflight = engine.config.max_num_seqs + max_queue
         self.model_name = model_name or engine.config.model
         self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self.queue = DeadlineQueue(queue_policy or QueuePolicy(), max_queue)  # under self._lock
+        self._expired_at = 0.0
         self._inflight = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -138,6 +164,8 @@ class AsyncEngine:
         self._snap_at = 0.0
         self.generated_tokens = 0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, "pagoda-grammar")
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, "pagoda-tokenize")
         # called (on the engine thread) once the replica cannot serve any more: a tensor-parallel
         # rank died or hung; the server exits non-zero (cli/serve.py)
         self.on_fatal: Callable[[str], None] | None = None
@@ -153,6 +181,8 @@ class AsyncEngine:
         self._stop.set()
         self._cmds.put(_Command("wake", ""))
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -180,17 +210,20 @@ class AsyncEngine:
         """Queue a request; raises RequestError (bad input), QueueFull or EngineDead."""
         rid = request_id or uuid.uuid4().hex
 
-        def add(engine: LLMEngine) -> str:
-            return engine.add_request(prompt, params, rid, chat, cache_salt, prefill_only)
+        def add(engine: LLMEngine, grammars: list, ids: list) -> str:
+            return engine.add_request(ids[0], params, rid, chat, cache_salt, prefill_only, grammars[0])
 
-        return await self._submit(rid, add)
+        job = _Tokenize(prompt, params, chat, prefill_only)
+        return (await self._submit_all([rid], add, params, jobs=[job], tenant=cache_salt))[0]
 
     async def submit_prefilled(
         self, payload: KVPayload, params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
         """Continue a request whose prompt KV arrived from a prefill worker."""
         rid = request_id or uuid.uuid4().hex
-        return await self._submit(rid, lambda engine: engine.add_prefilled(payload, params, rid))
+        return await self._submit(
+            rid, lambda engine, grammars, _: engine.add_prefilled(payload, params, rid, grammars[0]), params
+        )
 
     async def submit_many(self, subs: list[Submission]) -> list[RequestStream]:
         """Queue every request of ``subs`` in one loop command, or none of them.
@@ -203,37 +236,70 @@ class AsyncEngine:
             )
         rids = [s.request_id or uuid.uuid4().hex for s in subs]
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: LLMEngine, grammars: list, ids: list) -> None:
             added: list[str] = []
             try:
-                for s, rid in zip(subs, rids, strict=True):
-                    added.append(engine.add_request(s.prompt, s.params, rid, s.chat, s.cache_salt))
+                for s, rid, g, p in zip(subs, rids, grammars, ids, strict=True):
+                    added.append(engine.add_request(p, s.params, rid, s.chat, s.cache_salt, grammar=g))
             except BaseException:
                 for rid in added:  # not stepped yet: no page was allocated, no token computed
                     engine.abort(rid, "another choice of the request was refused")
                 raise
 
-        return await self._submit_all(rids, add)
+        jobs = [_Tokenize(s.prompt, s.params, s.chat) for s in subs]
+        return await self._submit_all(
+            rids, add, *[s.params for s in subs], jobs=jobs, tenant=subs[0].cache_salt
+        )
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Command("abort", request_id))
 
-    async def _submit(self, rid: str, add: Callable[[LLMEngine], object]) -> RequestStream:
-        return (await self._submit_all([rid], add))[0]
+    async def _submit(
+        self, rid: str, add: Callable, params: SamplingParams, tenant: str | None = None
+    ) -> RequestStream:
+        return (await self._submit_all([rid], add, params, tenant=tenant))[0]
 
-    async def _submit_all(self, rids: list[str], add: Callable[[LLMEngine], object]) -> list[RequestStream]:
+    async def _submit_all(
+        self,
+        rids: list[str],
+        add: Callable,
+        *params: SamplingParams,
+        jobs: list[_Tokenize] | None = None,
+        tenant: str | None = None,
+    ) -> list[RequestStream]:
+        """Queue ``add(engine, grammars, ids)`` on the loop thread once every request's grammar (one
+        per ``params``, None when unconstrained) is compiled and every prompt of ``jobs`` is tokenized
+        and length-checked (``ids``: their token ids, None without jobs); an error queues nothing.
+        New prompts (``tenant`` set) take places in the deadline queue or are refused (QueueRefused)."""
+        for job in jobs or []:
+            self._check_bytes(job)
         if self._dead is not None or not self._thread.is_alive():
             raise EngineDead(self._dead or "the engine loop is not running")
+        arrival = time.perf_counter()
         with self._lock:
             if self._inflight + len(rids) > self.max_inflight:
+                self._refused("queue_full")
                 raise QueueFull(
                     f"{self._inflight} requests in flight, {len(rids)} more asked (limit {self.max_inflight})"
                 )
+            if tenant is not None:
+                try:
+                    self.queue.admit(tenant, len(rids), arrival)
+                except QueueRefused as exc:
+                    self._refused(exc.reason)
+                    raise
             self._inflight += len(rids)
         loop = asyncio.get_running_loop()
-        lives = [_Live(rid, loop, asyncio.Queue(), time.perf_counter()) for rid in rids]
+        lives = [_Live(rid, loop, asyncio.Queue(), arrival, tenant) for rid in rids]
+        try:
+            grammars = [await self._compile(p) for p in params]
+            ids = await self._tokenize(jobs) if jobs else [None] * len(rids)
+        except BaseException:
+            self._release(len(rids))
+            self._unqueue(*lives)
+            raise
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Command("add", rids[0], add, lives, done))
+        self._put(_Command("add", rids[0], lambda engine: add(engine, grammars, ids), lives, done))
         try:
             await asyncio.wrap_future(done)
         except BaseException:
@@ -245,6 +311,60 @@ class AsyncEngine:
             raise
         return [RequestStream(self, live) for live in lives]
 
+    def _check_bytes(self, job: _Tokenize) -> None:
+        """Refuse a prompt whose text alone is over ``max_prompt_bytes`` (before any tokenizing)."""
+        size = text_bytes(job.prompt, self.max_prompt_bytes)
+        if size > self.max_prompt_bytes:
+            if self.metrics:
+                self.metrics.outcome("invalid")
+            field = "prompt" if isinstance(job.prompt, str) and not job.chat else "messages"
+            raise RequestError(too_large(size, self.max_prompt_bytes, field), PROMPT)
+
+    async def _tokenize(self, jobs: list[_Tokenize]) -> list[list[int]]:
+        """Every prompt's token ids, made and checked on the tokenizer threads (HF tokenizers encode
+        with the GIL released), so a long prompt never holds up the engine loop; the first
+        RequestError (by position) when one is refused."""
+        futs = [asyncio.wrap_future(self._tokenize_pool.submit(self._prepare, j)) for j in jobs]
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                if self.metrics and isinstance(r, RequestError | ValueError):
+                    self.metrics.outcome("invalid")
+                raise r
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, job: _Tokenize) -> list[int]:
+        """On a tokenizer thread: the prompt's token ids, checked against the model length and the
+        KV pools (the checks ``add_request`` repeats, cheaply, on ids). Raises RequestError."""
+        job.params.validate()
+        ids = self.engine.tokenize(job.prompt, job.chat)
+        self.engine.admission.check_prompt(ids, job.params, job.prefill_only)
+        return ids
+
+    async def _compile(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (None otherwise), compiled on a grammar
+        thread (the engine's cache answers at once for a constraint it compiled before). A compile
+        error or one slower than the cache's ``timeout_s`` is a RequestError naming the param."""
+        spec = params.guided
+        if spec is None:
+            return None
+        cache = self.engine.grammars
+        try:
+            job = self._grammar_pool.submit(cache.compile, spec)
+            return await asyncio.wait_for(asyncio.wrap_future(job), cache.timeout_s)
+        except TimeoutError:
+            if self.metrics:
+                self.metrics.outcome("invalid")
+            kind = spec.get("type") if isinstance(spec, dict) else None
+            raise RequestError(
+                f"the {kind} constraint did not compile within {cache.timeout_s:g}s; simplify it",
+                guided_param(spec),
+            ) from None
+        except RequestError:
+            if self.metrics:
+                self.metrics.outcome("invalid")
+            raise
+
     # ------------------------------------------------------------------ the loop thread
 
     def _run(self) -> None:
@@ -254,6 +374,7 @@ class AsyncEngine:
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
                     self._step()
+                    self._expire()
                 else:
                     self.engine.tick()  # idle: a keepalive over a tensor-parallel replica's ranks
                 self._maybe_snapshot()
@@ -280,7 +401,28 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run ``fn(engine)`` on the loop thread between steps; its result (or exception)."""
+        if self._dead:
+            raise EngineDead(self._dead)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Command("call", "", add=fn, done=done))
+        return await asyncio.wrap_future(done)
+
+    def _put(self, cmd: _Command) -> None:
+        """Queue ``cmd`` for the loop thread. The loop marks itself dead before its last drain, so a
+        command queued after that drain is failed here: no caller waits on a stopped loop."""
+        self._cmds.put(cmd)
+        if self._dead is not None:
+            self._fail_queued(self._dead)
+
     def _handle(self, cmd: _Command) -> None:
+        if cmd.kind == "call" and cmd.add is not None and cmd.done is not None:
+            try:
+                cmd.done.set_result(cmd.add(self.engine))
+            except Exception as exc:
+                cmd.done.set_exception(exc)
+            return
         if cmd.kind == "abort":
             live = self._live.pop(cmd.rid, None)
             if live is not None:
@@ -295,10 +437,12 @@ class AsyncEngine:
             cmd.add(self.engine)
         except ReplicaFailure:
             self._release(len(cmd.lives))
+            self._unqueue(*cmd.lives)
             cmd.done.set_exception(EngineDead("the replica failed"))
             raise
         except Exception as exc:
             self._release(len(cmd.lives))
+            self._unqueue(*cmd.lives)
             if self.metrics:
                 self.metrics.outcome("invalid" if isinstance(exc, (RequestError, ValueError)) else "error")
             cmd.done.set_exception(exc)
@@ -309,6 +453,12 @@ class AsyncEngine:
 
     def _step(self) -> None:
         steps = self.engine.stats.steps
+        faults = getattr(self.engine, "faults", None)
+        if faults is not None and faults.enabled:  # drills only: faults armed for requests decoding now
+            try:
+                faults.arming.apply()
+            except Exception:
+                log.exception("fault injection failed")
         try:
             outs = self.engine.step()
         except ReplicaFailure:
@@ -346,6 +496,7 @@ class AsyncEngine:
         m = self.metrics
         if live.first is None:
             live.first = now
+            self._unqueue(live, now=now)
             if m:
                 m.ttft.labels(m.pool).observe(now - live.arrival)
         elif m:
@@ -358,6 +509,7 @@ class AsyncEngine:
 
     def _finish(self, live: _Live, outcome: str, out: RequestOutput | None = None) -> None:
         self._release()
+        self._unqueue(live)
         m = self.metrics
         if m is None:
             return
@@ -370,6 +522,52 @@ class AsyncEngine:
     def _release(self, n: int = 1) -> None:
         with self._lock:
             self._inflight -= n
+
+    # ------------------------------------------------------------------ the deadline queue
+
+    def _unqueue(self, *lives: _Live, now: float | None = None) -> None:
+        """The requests left the queue: a first token at ``now`` (a measured departure) or an end."""
+        for live in lives:
+            if live.tenant is None:
+                continue
+            with self._lock:
+                self.queue.leave(live.tenant, now)
+            live.tenant = None
+            m = self.metrics
+            if m is not None and now is not None:
+                m.queue_time.labels(m.pool).observe(now - live.arrival)
+
+    def _refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_refusals.labels(self.metrics.pool, reason).inc()
+
+    def _expire(self) -> None:
+        """End every request still waiting unscheduled past the maximum queue time (loop thread)."""
+        limit = self.queue.policy.max_queue_time_s
+        now = time.perf_counter()
+        if limit is None or now - self._expired_at < SNAPSHOT_EVERY_S:
+            return
+        self._expired_at = now
+        for rid, live in list(self._live.items()):
+            seq = self.engine.sequence(rid)
+            if live.tenant is None or now - live.arrival <= limit or seq is None:
+                continue
+            if seq not in self.engine.scheduler.waiting:
+                continue  # scheduled: its prefill runs (a cached prefix may be mapped while it waits)
+            self._live.pop(rid, None)
+            self.engine.abort(rid, "queue time exceeded")
+            self._refused("timeout")
+            self._finish(live, "error")
+            with self._lock:
+                wait = self.queue.expected_wait(0, now) or limit
+            self._deliver(
+                live,
+                QueueTimeout(
+                    f"the request waited {now - live.arrival:.1f}s in the queue without being scheduled "
+                    f"(the maximum queue time is {limit:g}s); retry later",
+                    wait,
+                ),
+            )
 
     def _fatal(self, exc: ReplicaFailure) -> None:
         """The replica lost a rank: every request in flight or queued ends with the reason, the
@@ -393,14 +591,21 @@ class AsyncEngine:
             self._live.pop(rid, None)
             self._finish(live, "error")
             self._deliver(live, RequestFailed(message))
-        while True:  # requests still queued as commands
+        self._fail_queued(message)
+
+    def _fail_queued(self, message: str) -> None:
+        """Fail every command still queued: requests to add and calls alike."""
+        while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd.kind == "add" and cmd.done is not None and not cmd.done.done():
+            if cmd.done is None or cmd.done.done():
+                continue
+            if cmd.kind == "add":
                 self._release(len(cmd.lives))
-                cmd.done.set_exception(EngineDead(message))
+                self._unqueue(*cmd.lives)
+            cmd.done.set_exception(EngineDead(message))
 
     def _maybe_snapshot(self) -> None:
         if time.perf_counter() - self._snap_at >= SNAPSHOT_EVERY_S:
@@ -420,6 +625,8 @@ class AsyncEngine:
             weight_breakdown=s.weight_breakdown,
             formats=s.formats,
             prefix_hit_tokens=s.prefix_hit_tokens,
+            preemptions=s.preemptions_by_pool,
+            step_budget=s.step_budget,
             generation_tokens=self.generated_tokens,
             model=self.model_name,
         )

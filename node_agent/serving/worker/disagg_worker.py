@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagoda.node_agent.engine.handoff import KVPayload
 from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams, params_from_json
 from pagoda.node_agent.serving.api.api_server import read_body
-from pagoda.node_agent.serving.api.backend import StreamChunk
+from pagoda.node_agent.serving.api.backend import ChatFormat, StreamChunk
 from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, RequestFailed, request_error
 from pagoda.node_agent.serving.api.internal_auth import InternalAuth
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
@@ -73,13 +73,27 @@ def _req_str(body: dict[str, Any], key: str, max_chars: int = MAX_ID_CHARS) -> s
     return v
 
 
+MESSAGE_KEYS = {
+    "role": (str,),
+    "content": (str,),
+    "name": (str,),
+    "tool_call_id": (str,),
+    "tool_calls": (list,),
+}
+
+
 def _is_messages(x: Any) -> bool:
-    """Chat messages as the router sends them: ``[{"role": str, "content": str}, ...]``."""
+    """Chat messages as the router sends them: ``[{"role": str, "content": str, ...}, ...]``
+    (tool calls and tool results too), or ``{"messages": [...], "tools": [...]}``."""
+    if type(x) is dict and set(x) == {"messages", "tools"} and type(x["tools"]) is list:
+        return _is_messages(x["messages"]) and all(type(t) is dict for t in x["tools"])
     return (
         type(x) is list
         and bool(x)
         and all(
-            type(m) is dict and set(m) == {"role", "content"} and all(type(v) is str for v in m.values())
+            type(m) is dict
+            and {"role", "content"} <= set(m)
+            and all(k in MESSAGE_KEYS and type(v) in MESSAGE_KEYS[k] for k, v in m.items())
             for m in x
         )
     )
@@ -136,8 +150,11 @@ class DisaggWorker:
         kv_frame_timeout_s: float = 10.0,
         kv_deadline_s: float = 60.0,
         kv_max_handoffs: int = 8,
+        chat_format: ChatFormat | None = None,
+        kv_limits: dict[str, Any] | None = None,
     ) -> None:
         self.role = role
+        self.chat_format = chat_format or ChatFormat()  # reported to the router, which parses replies
         self.engine = engine
         self.metrics = metrics
         self.auth = auth
@@ -151,6 +168,7 @@ class DisaggWorker:
                 frame_timeout_s=kv_frame_timeout_s,
                 handoff_deadline_s=kv_deadline_s,
                 max_handoffs=kv_max_handoffs,
+                **(kv_limits or {}),  # the connection caps, auth deadline, value bound (kv_limits.py)
             )
             self.receiver = TcpKVReceiver(
                 kv_host,
@@ -231,6 +249,8 @@ class DisaggWorker:
             "max_sequences": self.engine.engine.config.max_num_seqs,
             "inflight": self.engine.num_inflight + len(self.parked),
             "kv_address": self.receiver.address if self.receiver else None,
+            "chat_format": self.chat_format.to_json(),
+            "kv_receiver": self.receiver.counts() if self.receiver else None,
         }
 
     # ------------------------------------------------------------------ prefill side
@@ -257,7 +277,7 @@ class DisaggWorker:
             raise _bad(f"request_id must be a string of 1..{MAX_ID_CHARS} characters", "request_id")
         prompt = body.get("prompt")
         if chat and not _is_messages(prompt):
-            raise _bad("messages must be a non-empty list of {role, content} strings", "messages")
+            raise _bad("messages must be a non-empty list of {role, content, ...} objects", "messages")
         if not chat and type(prompt) not in (str, list):
             raise _bad("prompt must be a string or a list of token ids", "prompt")
         try:
@@ -308,6 +328,7 @@ class DisaggWorker:
                 "num_prompt_tokens": len(out.prompt_token_ids),
                 "num_cached_tokens": out.num_cached_tokens,
                 "pages": stats.pages,
+                **_lead(out),
             }
         )
 
@@ -381,6 +402,13 @@ class DisaggWorker:
                 parked.accepted.exception()  # retrieved: a late payload's handler may never ask
             if stream is not None:
                 stream.abort()  # no-op when finished; frees the pages when the router went away
+
+
+def _lead(out) -> dict[str, Any]:
+    """What the router prepends to the decode worker's stream: the first token's logprobs entry
+    (sampled here) and the prompt logprobs, when the request asked (docs/logprobs.md)."""
+    keys = ("logprobs", "prompt_logprobs", "prompt_text")
+    return {k: getattr(out, k) for k in keys if getattr(out, k, None) is not None}
 
 
 def _api(exc: Exception) -> ApiError:

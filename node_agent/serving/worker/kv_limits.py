@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pagoda.node_agent.kv import formats as kv_formats
+from pagoda.node_agent.kv.finite import DEFAULT_MAX_ABS
 from pagoda.node_agent.kv.formats import TOKEN_SCALE_BYTES
 from pagoda.node_agent.kv.layout import LayoutError, check_page_set
 
@@ -70,7 +71,13 @@ class KVLimits:
     formats: frozenset[tuple[str, str]] = field(default_factory=kv_formats.wire_pairs)
     frame_timeout_s: float = 10.0  # one frame must arrive within this
     handoff_deadline_s: float = 60.0  # the whole handoff must arrive within this
-    max_handoffs: int = 8  # concurrent connections; more are answered "busy" at once
+    max_handoffs: int = 8  # authenticated handoffs at once; more are answered "busy" at once
+    # before a connection's HEADER MAC verifies it holds no handoff slot, ticket or page, and:
+    auth_timeout_s: float = 5.0  # its HEADER frame must arrive and verify within this, or it is closed
+    max_connections: int = 256  # open connections in all (authenticated or not); more are closed at once
+    max_unauthenticated: int = 128  # connections still before their MAC; over it the oldest is closed
+    max_unauthenticated_per_peer: int = 32  # ... from one peer address; over it its oldest is closed
+    max_abs_value: float = DEFAULT_MAX_ABS  # floating page values beyond +-this are refused (finite.py)
 
     @classmethod
     def for_engine(cls, engine: Any, **kw: Any) -> KVLimits:

@@ -29,11 +29,15 @@ engine accepted the sequence, or ``{"ok": false, "error": "..."}``.
 
 The receiver trusts nothing before it checked it (kv_limits.py): the header's MAC first, then its
 ticket (claimed once: a second handoff for a ticket is refused), then every field against the
-decode pool's limits, before anything is allocated. Each frame's length is bounded by what the
+decode pool's limits, before anything is allocated. Until the MAC verifies, a connection holds no
+handoff slot, ticket or page: it must verify within ``auth_timeout_s``; over ``max_connections``
+open a new one is closed at once; over ``max_unauthenticated`` (in all, or per peer address)
+waiting for their MAC, the oldest waiting one is closed. Pages are refused when they hold NaN,
+infinities or values beyond ``max_abs_value`` (one batched pass in the assembly, finite.py). Each frame's length is bounded by what the
 header announced (one page, the scales, the generator state) before its body is read; pages are
 staged as they arrive and assembled off the event loop. A frame must arrive within
 ``frame_timeout_s`` and the handoff within ``handoff_deadline_s``; at most ``max_handoffs``
-connections are served at once (one more is answered "busy" at once). Every failure is answered
+authenticated handoffs are served at once (one more is answered "busy" at once). Every failure is answered
 with a refusing ACK while the socket allows and reported to ``on_error(reason, message, ticket)``
 (ticket: only once it was claimed, so the waiting request fails at once).
 
@@ -59,6 +63,7 @@ import numpy as np
 import torch
 
 from pagoda.node_agent.engine.handoff import KVPayload
+from pagoda.node_agent.kv.finite import NON_FINITE, bad_values
 from pagoda.node_agent.kv.layout import PageLayout
 from pagoda.node_agent.kv.storage import is_page_scale_key
 from pagoda.node_agent.serving.api.internal_auth import MAC_BYTES, InternalAuth
@@ -282,6 +287,8 @@ class _Assembler:
             flat[i] = np.frombuffer(self.pages.pop(i), dtype=np.uint8, offset=4)
         dtype = torch_dtype(self.dtype_name)
         t, off, layers = torch.from_numpy(flat), 0, []
+        if not self.page_scales:  # every byte of every page is a value: one batched check
+            self._check_values(t.view(dtype))
         for _ in range(lim.num_layers):
             d = {}
             for key in self.layout.page_keys:
@@ -294,8 +301,21 @@ class _Assembler:
                     not bool(torch.isfinite(d[key]).all()) or bool((d[key] < 0).any())
                 ):
                     raise TransferError("KV per-token scales must be finite and non-negative", "invalid")
+                if self.page_scales and not is_page_scale_key(key):
+                    self._check_values(d[key])
             layers.append(d)
         return layers
+
+    def _check_values(self, values: torch.Tensor) -> None:
+        """Refuse pages holding NaN, infinities or values beyond the format's sane range."""
+        why = bad_values(values, self.limits.max_abs_value)
+        if why == NON_FINITE:
+            raise TransferError(
+                f"KV pages hold non-finite values (NaN or infinity) in {self.dtype_name}", why
+            )
+        if why is not None:
+            bound = f"{self.limits.max_abs_value:g}"
+            raise TransferError(f"KV pages hold {self.dtype_name} values beyond +-{bound}", why)
 
     def _scales(self) -> list[dict[str, torch.Tensor]] | None:
         """Every layer's static per-head scales from the SCALES frame (None: it has none)."""
@@ -384,6 +404,23 @@ class TcpKVSender:
         return TransferStats(payload.num_pages, sum(len(f) for f in frames), time.perf_counter() - t0)
 
 
+@dataclass(eq=False)
+class _Conn:
+    """One connection to the receiver, and what it holds."""
+
+    peer: str
+    writer: asyncio.StreamWriter
+    ticket: str | None = None  # claimed (after the MAC verified)
+    pages: int = 0  # reserved (after the header checked)
+    slot: bool = False  # a handoff slot (after the MAC verified)
+    evicted: str | None = None  # why it was closed before its MAC verified
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    name = writer.get_extra_info("peername")
+    return str(name[0]) if isinstance(name, tuple) and name else str(name)
+
+
 class TcpKVReceiver:
     """Accepts handoffs on a TCP port; each verified payload goes to ``handler(ticket, payload)``,
     whose exception (or any refusal before it) is answered as a refusing ACK."""
@@ -410,8 +447,11 @@ class TcpKVReceiver:
         self.on_error = on_error
         self.on_auth_failure = on_auth_failure
         self.address = ""
-        self.active = 0  # connections being served
+        self.active = 0  # authenticated handoffs holding a slot (at most limits.max_handoffs)
+        self.connections = 0  # open connections, authenticated or not
         self.reserved_pages = 0  # pages announced by the handoffs in flight
+        self._unauth: dict[int, _Conn] = {}  # connections before their MAC, oldest first
+        self._per_peer: dict[str, int] = {}  # ... counted per peer address
         self._server: asyncio.base_events.Server | None = None
         self._last_log = 0.0
         self._quiet = 0
@@ -439,58 +479,124 @@ class TcpKVReceiver:
         if self.on_error:
             self.on_error(reason, message, ticket)
 
+    def counts(self) -> dict[str, int]:
+        """What the receiver holds now (all 0 when idle): open connections, those before their
+        MAC, handoff slots taken, decode pages reserved."""
+        return {
+            "connections": self.connections,
+            "unauthenticated": self.unauthenticated,
+            "handoffs": self.active,
+            "reserved_pages": self.reserved_pages,
+        }
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections open whose HEADER MAC has not verified yet."""
+        return len(self._unauth)
+
+    def _admit(self, conn: _Conn) -> None:
+        """Track a new connection as unauthenticated; over a cap, the oldest one goes (a legitimate
+        sender sends its header at once, so it is the newest, not the oldest, when a flood comes)."""
+        self._unauth[id(conn)] = conn
+        self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
+        lim = self.limits
+        if self._per_peer[conn.peer] > lim.max_unauthenticated_per_peer:
+            oldest = next(c for c in self._unauth.values() if c.peer == conn.peer)
+            self._evict(oldest, f"over {lim.max_unauthenticated_per_peer} unauthenticated from {conn.peer}")
+        if len(self._unauth) > lim.max_unauthenticated:
+            self._evict(next(iter(self._unauth.values())), f"over {lim.max_unauthenticated} unauthenticated")
+
+    def _authenticated(self, conn: _Conn) -> None:
+        if self._unauth.pop(id(conn), None) is not None:
+            self._per_peer[conn.peer] -= 1
+            if not self._per_peer[conn.peer]:
+                del self._per_peer[conn.peer]
+
+    def _evict(self, conn: _Conn, why: str) -> None:
+        self._authenticated(conn)  # no longer counted as waiting
+        conn.evicted = why
+        conn.writer.transport.abort()  # its read ends at once; _conn releases what it held
+
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        state: dict[str, Any] = {"ticket": None, "pages": 0}
+        lim = self.limits
+        if self.connections >= lim.max_connections:
+            self._refused("conn_limit", f"{lim.max_connections} KV connections are open", None)
+            writer.transport.abort()
+            return
+        conn = _Conn(_peer(writer), writer)
+        self.connections += 1
+        self._admit(conn)
         ack: dict[str, Any] = {"ok": True}
-        busy = self.active >= self.limits.max_handoffs
-        self.active += 0 if busy else 1
         try:
             try:
-                if busy:
-                    raise TransferError(f"busy: {self.limits.max_handoffs} KV handoffs in flight", "busy")
                 try:
-                    async with asyncio.timeout(self.limits.handoff_deadline_s):
-                        payload = await self._receive(reader, state)
+                    async with asyncio.timeout(lim.handoff_deadline_s):
+                        payload = await self._receive(reader, conn)
                 except TimeoutError as exc:
-                    msg = f"the KV handoff took longer than {self.limits.handoff_deadline_s}s"
+                    msg = f"the KV handoff took longer than {lim.handoff_deadline_s}s"
                     raise TransferError(msg, "timeout") from exc
                 try:
-                    await self.handler(state["ticket"], payload)
+                    await self.handler(conn.ticket, payload)
                 except TransferError:
                     raise
                 except Exception as exc:
                     raise TransferError(str(exc), "refused") from exc
             except TransferError as exc:
-                ack = {"ok": False, "error": str(exc)[:MAX_ERROR_CHARS], "reason": exc.reason}
-                self._refused(exc.reason, str(exc), state["ticket"])
+                reason = "evicted" if conn.evicted else exc.reason
+                ack = {"ok": False, "error": str(exc)[:MAX_ERROR_CHARS], "reason": reason}
+                self._refused(reason, conn.evicted or str(exc), conn.ticket)
             except (OSError, EOFError) as exc:
                 ack = {"ok": False, "error": f"connection lost: {exc!r}"[:MAX_ERROR_CHARS]}
-                self._refused("closed", repr(exc), state["ticket"])
+                self._refused("evicted" if conn.evicted else "closed", repr(exc), conn.ticket)
             except Exception as exc:  # a bug must still be answered, counted and fail the request
                 log.exception("KV receiver error")
                 ack = {"ok": False, "error": f"internal error: {type(exc).__name__}"}
-                self._refused("internal", f"{type(exc).__name__}: {exc}", state["ticket"])
-            with contextlib.suppress(Exception):
-                writer.write(encode_frame(ACK, json.dumps(ack).encode()))
-                await asyncio.wait_for(writer.drain(), self.limits.frame_timeout_s)
-                if not ack["ok"]:
-                    await _linger(reader, writer)
+                self._refused("internal", f"{type(exc).__name__}: {exc}", conn.ticket)
+            if not conn.evicted:
+                with contextlib.suppress(Exception):
+                    writer.write(encode_frame(ACK, json.dumps(ack).encode()))
+                    await asyncio.wait_for(writer.drain(), lim.frame_timeout_s)
+                    if not ack["ok"] and ack.get("reason") != "auth_timeout":
+                        await _linger(reader, writer)
         finally:
-            self.active -= 0 if busy else 1
-            self.reserved_pages -= state["pages"]
+            self._authenticated(conn)
+            self.connections -= 1
+            self.active -= 1 if conn.slot else 0
+            self.reserved_pages -= conn.pages
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1)
 
-    async def _receive(self, reader: asyncio.StreamReader, state: dict[str, Any]) -> KVPayload:
-        """Header (MAC, ticket, fields), then the frames it announced; the assembled payload."""
-        lim, timeout = self.limits, self.limits.frame_timeout_s
+    async def _header(self, reader: asyncio.StreamReader) -> bytes:
+        """The HEADER frame's JSON once its MAC verified, within ``auth_timeout_s`` (and
+        ``frame_timeout_s``) of the connect."""
+        lim = self.limits
         header_max = MAC_BYTES + lim.max_header_bytes
-        _, body = await read_frame(reader, lambda t: header_max if t == HEADER else -1, timeout)
+        deadline = min(lim.auth_timeout_s, lim.frame_timeout_s)  # the header is a frame too
+        try:
+            _, body = await read_frame(reader, lambda t: header_max if t == HEADER else -1, deadline)
+        except TransferError as exc:
+            if exc.reason != "timeout":
+                raise
+            self._auth_failure("auth_timeout")
+            msg = f"no verified KV header within {deadline}s of connecting"
+            raise TransferError(msg, "auth_timeout") from exc
         raw = body[MAC_BYTES:]
         if len(body) < MAC_BYTES or not self.auth.check_kv_mac(raw, body[:MAC_BYTES]):
             self._auth_failure("bad_mac")
             raise TransferError("the KV header's MAC is wrong (internal token mismatch?)", "auth")
+        return raw
+
+    async def _receive(self, reader: asyncio.StreamReader, conn: _Conn) -> KVPayload:
+        """Header (MAC; then a handoff slot, the ticket, the fields), then the frames it announced;
+        the assembled payload. Nothing is held for the connection before its MAC verified."""
+        lim = self.limits
+        raw = await self._header(reader)
+        self._authenticated(conn)
+        if self.active >= lim.max_handoffs:
+            raise TransferError(f"busy: {lim.max_handoffs} KV handoffs in flight", "busy")
+        self.active += 1
+        conn.slot = True
         try:
             header = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -502,18 +608,18 @@ class TcpKVReceiver:
         if why is not None:
             self._auth_failure(f"{why}_ticket")
             raise TransferError(f"KV ticket refused: {why}", "auth")
-        state["ticket"] = ticket
+        conn.ticket = ticket
         try:
             check_header(header, lim, lim.free_pages() - self.reserved_pages)
         except NoRoom as exc:
             raise TransferError(str(exc), "busy") from exc
         except HeaderError as exc:
             raise TransferError(str(exc), "invalid") from exc
-        state["pages"] = header["num_pages"]
-        self.reserved_pages += state["pages"]
+        conn.pages = header["num_pages"]
+        self.reserved_pages += conn.pages
         asm = _Assembler(header, lim)
         while True:
-            ftype, body = await read_frame(reader, asm.max_len, timeout)
+            ftype, body = await read_frame(reader, asm.max_len, lim.frame_timeout_s)
             if asm.add(ftype, body):
                 break
         return await asyncio.to_thread(asm.build)

@@ -6,12 +6,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagoda.node_agent.params import CapacityError, RequestError
-from pagoda.node_agent.serving.api.backend import GenRequest, StreamChunk
+from pagoda.node_agent.serving.api.backend import ChatFormat, GenRequest, StreamChunk
 from pagoda.node_agent.serving.api.errors import RETRY_AFTER_S, ApiError, request_error
 from pagoda.node_agent.serving.worker.async_engine import (
     AsyncEngine,
     EngineDead,
     QueueFull,
+    QueueTimeout,
     RequestStream,
     Submission,
     TooManyChoices,
@@ -22,6 +23,11 @@ def too_many_error(exc: Exception) -> ApiError:
     return ApiError(400, str(exc), param="n", code="too_many_choices")
 
 
+def retry_after(exc: Exception) -> str:
+    """The Retry-After of a refusal: the queue's own estimate when it made one."""
+    return str(getattr(exc, "retry_after_s", None) or RETRY_AFTER_S)
+
+
 def busy_error(exc: Exception) -> ApiError:
     if isinstance(exc, QueueFull | CapacityError):
         return ApiError(
@@ -29,7 +35,7 @@ def busy_error(exc: Exception) -> ApiError:
             f"the server is busy ({exc}); retry later",
             code="queue_full",
             type_="rate_limit_error",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            headers={"Retry-After": retry_after(exc)},
         )
     return ApiError(
         503,
@@ -51,8 +57,17 @@ class LocalHandle:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[StreamChunk]:
-        async for out in self.stream:
-            yield StreamChunk.of(out)
+        try:
+            async for out in self.stream:
+                yield StreamChunk.of(out)
+        except QueueTimeout as exc:  # 503 before any byte, or a stream's final error event
+            raise ApiError(
+                503,
+                str(exc),
+                code="queue_timeout",
+                type_="server_error",
+                headers={"Retry-After": retry_after(exc)},
+            ) from exc
 
     def abort(self) -> None:
         self.stream.abort()
@@ -61,8 +76,12 @@ class LocalHandle:
 class LocalBackend:
     """Generates with an AsyncEngine in this process."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, chat_format: ChatFormat | None = None) -> None:
         self.engine = engine
+        self._chat_format = chat_format or ChatFormat()
+
+    def chat_format(self) -> ChatFormat:
+        return self._chat_format
 
     @property
     def ready(self) -> bool:
