@@ -53,8 +53,8 @@ def workload(kind: str, n: int, tag: str) -> list[str]:
 class StreamTally:
     """What one streamed completion showed: TTFT, the gaps between content chunks, and ``usage``.
 
-    Pagoda sends ``usage`` (with cached tokens) in a last chunk; a server that does not (llama-server
-    on ``/v1/completions``) is counted one token per content chunk, with no cached tokens."""
+    Pagoda sends ``usage`` (with cached tokens) in a last chunk; a server that does not is counted
+    one token per content chunk, with no cached tokens."""
 
     def __init__(self, t0: float) -> None:
         self.t0, self.first, self.last = t0, None, None

@@ -85,7 +85,7 @@ def test_stream_accounting_with_and_without_usage() -> None:
     r = pagoda.result()
     assert (r["ttft"], r["gaps"], r["tokens"], r["prompt"], r["cached"]) == (1.0, [1.0, 1.0], 3, 9, 4)
     assert r["tpot"] == 1.0
-    # llama-server's /v1/completions stream: no usage chunk, one token per content chunk
+    # a stream with no usage chunk: one token per content chunk
     plain = StreamTally(0.0)
     for i, line in enumerate([chunk, chunk, "data: [DONE]"]):
         plain.line(line, 0.5 + i)
