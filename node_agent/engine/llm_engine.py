@@ -63,6 +63,7 @@ class LLMEngine:
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         t0 = time.perf_counter()
         parts = build_parts(config, loaded, tokenizer, run_worker_rank)
+        self.config = config = parts.config  # the weight formats left at auto, resolved for the source
         self.replica, self.model_config, self.tokenizer = parts.replica, parts.model_config, parts.tokenizer
         self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
         self.prefill_pool, self.decode_pool = parts.prefill_pool, parts.decode_pool
