@@ -42,6 +42,7 @@ from pagoda.node_agent.engine.state import EngineState, EngineStats, engine_stat
 from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
 from pagoda.node_agent.models.loader import LoadedModel
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.models.weight_bytes import phase_format_bytes
 from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams
 
 log = logging.getLogger("pagoda.engine")
@@ -77,7 +78,8 @@ class LLMEngine:
         self.isolation = FailureIsolation(self.runner, self.scheduler, self.stats, self._requests)
         shared = (self.scheduler, self.integrity, self.replica, self.stats, self._requests)
         self.postprocess = Postprocessor(*shared, self.tokenizer, self.stop_rules)
-        self._weight_breakdown = self.model.weight_bytes()  # by part and format (models/weight_bytes.py)
+        # by part and format, and per phase by the format each layer runs in (models/weight_bytes.py)
+        self._weight_breakdown = {**self.model.weight_bytes(), "by_phase": phase_format_bytes(self.model)}
         self._weight_bytes = int(self._weight_breakdown["total"])
         log_ready(parts, self.dtype, self.device, t0)
 
