@@ -182,6 +182,8 @@ def agent_args(
     ]
     if not spec.routing.prefix_caching:
         args.append("--no-prefix-caching")
+    if spec.trust_remote_code:  # a trust decision the spec makes (model.trustRemoteCode)
+        args.append("--trust-remote-code")
     if role == "decode":
         args += ["--kv-port", str(KV_PORT)]
     if pool.multi_node:  # the rendezvous host and this pod's index come from the LWS environment

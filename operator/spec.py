@@ -189,6 +189,7 @@ class Spec:
 
     source: str
     architecture: str | None = None
+    trust_remote_code: bool = False  # engines may run the model directory's tokenizer code
     image: str = "pagoda/node-agent:0.1.0"
     image_pull_policy: str = "IfNotPresent"
     prefill: Pool = field(default_factory=lambda: Pool(**POOL_DEFAULTS["prefill"]))
@@ -319,6 +320,7 @@ def parse(raw: dict[str, Any]) -> Spec:
     return Spec(
         source=str(model.get("source", "")),
         architecture=model.get("architecture") or None,
+        trust_remote_code=bool(model.get("trustRemoteCode", False)),
         image=str(raw.get("image", Spec.image)),
         image_pull_policy=str(raw.get("imagePullPolicy", Spec.image_pull_policy)),
         prefill=_pool(raw.get("prefill"), "prefill"),

@@ -9,6 +9,10 @@ from __future__ import annotations
 # FP8 blocks, ...) runs in its stored format, layers stored dense in the compute dtype.
 STORED = "stored"
 WEIGHT_FORMATS = ("bf16", "fp8", "int4", STORED)
+# A phase's weights when none are asked for: ``stored`` for a checkpoint a producer released quantized
+# (compressed-tensors, GPTQ, AWQ, FP8 blocks), PHASE_DEFAULTS otherwise (GGUF files included: an
+# INT4 prefill from a Q4 GGUF would undo the FP8 prefill the phases are built on).
+SOURCE_DEFAULT = "auto"
 KV_CACHE_FORMATS = ("bf16", "fp8_e4m3", "int8")  # per-phase KV page formats
 INTEGRITY_MODES = ("enforce", "audit", "off")
 PHASES = ("prefill", "decode")  # also the operator's pool names

@@ -192,7 +192,7 @@ def engine_factory(cfg: EngineConfig) -> EngineFactory:
     from pagoda.node_agent.models.tokenizer import Tokenizer
 
     loaded = load_model(cfg.model)
-    tok = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+    tok = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file, cfg.trust_remote_code)
 
     def make(**overrides):
         return LLMEngine(dataclasses.replace(cfg, **overrides), loaded=loaded, tokenizer=tok)

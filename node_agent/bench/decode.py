@@ -34,6 +34,7 @@ from pagoda.node_agent.bench.common import (
 )
 from pagoda.node_agent.bench.stepping import run_steps, tokens_to_hold_batch
 from pagoda.node_agent.engine.config import EngineConfig
+from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 
 LLAMACPP = "llama.cpp"
 LLAMACPP_INSTALL = (
@@ -334,7 +335,7 @@ def bench_decode(
         **environment(),
         "model": cfg.model,
         "dtype": str(engine.dtype),
-        "formats": cfg.formats.as_dict(),
+        "formats": resolve_weight_formats(cfg).formats.as_dict(),  # auto weights as run
         "tensor_parallel": tp,
         "threads_per_rank": rank_threads,
         "max_tokens": max_tokens,

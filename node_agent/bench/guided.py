@@ -32,6 +32,7 @@ from pagoda.node_agent.bench.common import (
 from pagoda.node_agent.bench.stepping import run_steps, tokens_to_hold_batch
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.guided import masking
+from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 
 MODES = ("json_schema", "off")
 # a record of typed fields, then an array of objects it cannot finish within a bench run
@@ -149,7 +150,7 @@ def bench_guided(
         **environment(),
         "model": cfg.model,
         "dtype": str(engine.dtype),
-        "formats": cfg.formats.as_dict(),
+        "formats": resolve_weight_formats(cfg).formats.as_dict(),  # auto weights as run
         "input_len": input_len,
         "output_len": output_len,
         "repeats": repeats,

@@ -37,6 +37,7 @@ from pagoda.node_agent.bench.common import (
 from pagoda.node_agent.bench.stepping import run_steps, tokens_to_hold_batch
 from pagoda.node_agent.engine.config import EngineConfig
 from pagoda.node_agent.engine.integrity import make_tracker
+from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 
 MODES = ("enforce", "off")
 FIGURES = (
@@ -209,7 +210,7 @@ def bench_integrity(
         **environment(),
         "model": cfg.model,
         "dtype": str(engine.dtype),
-        "formats": cfg.formats.as_dict(),
+        "formats": resolve_weight_formats(cfg).formats.as_dict(),  # auto weights as run
         "input_len": input_len,
         "output_len": output_len,
         "repeats": repeats,

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from pagoda.node_agent.bench.common import Log, echo, environment, set_threads
 from pagoda.node_agent.engine.fault_injection import FaultInjectionError
+from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 from pagoda.node_agent.params import CapacityError, SamplingParams
 
 KINDS = ("stale_mapping", "flip_tag")
@@ -412,7 +413,7 @@ def bench_soak(
             "vocab_size": mc.vocab_size,
         },
         "dtype": str(engine.dtype),
-        "formats": cfg.formats.as_dict(),
+        "formats": resolve_weight_formats(cfg).formats.as_dict(),  # auto weights as run
         "kv_memory": cfg.kv_memory,
         "plan": asdict(plan),
         "method": "faults injected into marked live requests right before a tag check (prefill, decode or "

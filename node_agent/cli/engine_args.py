@@ -80,6 +80,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "takes tools=, for tool calls in the model's format)",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="a trust decision: let a model whose tokenizer is custom Python code in its directory "
+        "(Kimi-K2's tiktoken tokenizer) run that code in this process; off, such a model is refused",
+    )
+    p.add_argument(
         "--int4-group-size",
         type=int,
         default=None,
@@ -207,6 +213,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         min_prefill_tokens=getattr(a, "min_prefill_tokens", 32),
         max_model_len=a.max_model_len,
         chat_template=getattr(a, "chat_template", None),
+        trust_remote_code=getattr(a, "trust_remote_code", False),
         integrity=a.integrity,
         int4_group_size=getattr(a, "int4_group_size", None),
         enable_prefix_caching=not a.no_prefix_caching,

@@ -49,8 +49,11 @@ def _evaluate(source: str, out: str, a: argparse.Namespace) -> dict:
     from pagoda.node_agent.bench.evaluate import EVAL_PROMPTS, format_table, run_eval
     from pagoda.node_agent.engine.config import EngineConfig, PhaseFormats
 
-    ref = engine_factory(EngineConfig(model=source))
-    ckpt = engine_factory(EngineConfig(model=out, kernel_backend=a.eval_kernel_backend))
+    trust = a.trust_remote_code
+    ref = engine_factory(EngineConfig(model=source, trust_remote_code=trust))
+    ckpt = engine_factory(
+        EngineConfig(model=out, kernel_backend=a.eval_kernel_backend, trust_remote_code=trust)
+    )
 
     def make(**kw):
         return (ref if kw.get("formats") == PhaseFormats.reference() else ckpt)(**kw)
@@ -77,7 +80,7 @@ def cmd_quantize(a: argparse.Namespace) -> int:
         from pagoda.node_agent.models.tokenizer import Tokenizer
 
         loaded = load_model(a.model)
-        tokenizer = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+        tokenizer = Tokenizer(loaded.tokenizer_dir, loaded.gguf_file, a.trust_remote_code)
         grams, tokens = _calibration(a.model, loaded, tokenizer)
     report = quantize_checkpoint(
         a.model,
@@ -142,5 +145,11 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
         "dequantizes to float32, isolating the weights' own error from the fast path's arithmetic)",
     )
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
+    q.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="--calibrate / --eval: a trust decision, as for serve: run a tokenizer that is Python code "
+        "in the model directory",
+    )
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=cmd_quantize)

@@ -23,14 +23,16 @@ from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, cont
 from pagoda.node_agent.engine.output import StopRules
 from pagoda.node_agent.engine.parallel.replica import LocalReplica, make_replica
 from pagoda.node_agent.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 from pagoda.node_agent.engine.step_budget import StepBudget
 from pagoda.node_agent.engine.step_cost import StepCostModel
 from pagoda.node_agent.kv.pool import KVPagePool
 from pagoda.node_agent.models.config import ModelConfig
 from pagoda.node_agent.models.llama import LlamaForCausalLM
-from pagoda.node_agent.models.loader import LoadedModel, load_model
+from pagoda.node_agent.models.loader import LoadedModel, load_model, resolve_source
 from pagoda.node_agent.models.step_ops import enable_compile
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.models.tokenizer_code import check_tokenizer_trust
 
 log = logging.getLogger("pagoda.engine")
 
@@ -39,6 +41,7 @@ log = logging.getLogger("pagoda.engine")
 class EngineParts:
     """What an engine is made of, built by ``build_parts``."""
 
+    config: EngineConfig  # as given, with the weight formats left at auto resolved for the source
     replica: LocalReplica  # this process's part of the model replica (tensor parallel or not)
     model_config: ModelConfig  # the whole model (a rank holds a slice)
     tokenizer: Tokenizer
@@ -59,11 +62,14 @@ def build_parts(
     worker_main: Callable[..., None],
 ) -> EngineParts:
     """Every part of an engine; ``worker_main`` runs each tensor-parallel rank this process starts."""
+    config = resolve_weight_formats(config)
+    if tokenizer is None:  # untrusted custom tokenizer code stops the engine before any weight loads
+        _check_source_trust(config)
     device, dtype = config.torch_device(), config.torch_dtype()
     replica = make_replica(config, worker_main)  # tensor parallelism: rank 0 drives the others
     loaded = loaded or load_model(config.model)
     mc = loaded.config
-    tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
+    tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file, config.trust_remote_code)
     if config.chat_template is not None:
         tokenizer = tokenizer.with_chat_template(config.chat_template_text())
     if device.type == "cuda" and replica.world == 1:  # before any weight reaches the device
@@ -95,6 +101,7 @@ def build_parts(
     stop_rules = _stop_rules(mc, tokenizer, max_model_len)
     admission = Admission(prefill_pool, decode_pool, max_model_len, mc.vocab_size, config.max_num_seqs)
     return EngineParts(
+        config,
         replica,
         mc,
         tokenizer,
@@ -107,6 +114,12 @@ def build_parts(
         stop_rules,
         admission,
     )
+
+
+def _check_source_trust(config: EngineConfig) -> None:
+    kind, path = resolve_source(config.model)
+    if kind == "hf-dir":
+        check_tokenizer_trust(path, config.trust_remote_code)
 
 
 def step_budget(config: EngineConfig) -> StepBudget | None:

@@ -17,6 +17,7 @@ from pagoda.vocabulary import (
     KV_CACHE_FORMATS,
     KV_FORMAT_ALIASES,
     PHASE_DEFAULTS,
+    SOURCE_DEFAULT,
     WEIGHT_FORMATS,
     handoff_allowed,
 )
@@ -28,11 +29,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class PhaseFormats:
-    """Numeric formats per phase: weights and KV cache for prefill and for decode."""
+    """Numeric formats per phase: weights and KV cache for prefill and for decode.
 
-    prefill_weights: str = PHASE_DEFAULTS["prefill"]["weights"]
+    Weights left at ``auto`` (SOURCE_DEFAULT) follow the source, resolved when the engine is built
+    (engine/source_formats.py): ``stored`` for a checkpoint released quantized, else fp8 prefill and
+    int4 decode (PHASE_DEFAULTS)."""
+
+    prefill_weights: str = SOURCE_DEFAULT
     prefill_kv: str = PHASE_DEFAULTS["prefill"]["kv"]
-    decode_weights: str = PHASE_DEFAULTS["decode"]["weights"]
+    decode_weights: str = SOURCE_DEFAULT
     decode_kv: str = PHASE_DEFAULTS["decode"]["kv"]
 
     @classmethod
@@ -56,9 +61,10 @@ class PhaseFormats:
 
     def validate(self) -> None:
         for name in ("prefill_weights", "decode_weights"):
-            if getattr(self, name) not in WEIGHT_FORMATS:
+            if getattr(self, name) not in (*WEIGHT_FORMATS, SOURCE_DEFAULT):
                 raise ConfigError(
-                    f"{name.replace('_', '-')} must be one of {', '.join(WEIGHT_FORMATS)}, "
+                    f"{name.replace('_', '-')} must be one of {', '.join(WEIGHT_FORMATS)} (or "
+                    f"{SOURCE_DEFAULT}: the source's default), "
                     f"got {getattr(self, name)!r}"
                 )
         for name in ("prefill_kv", "decode_kv"):
@@ -167,6 +173,9 @@ class EngineConfig:
     )
     max_model_len: int | None = None  # None -> the model's context length
     chat_template: str | None = None  # a Jinja chat template file used instead of the model's
+    # run a tokenizer that is custom code in the model directory (a trust decision: its Python runs
+    # in the engine; models/tokenizer_code.py); off, such a model is refused naming --trust-remote-code
+    trust_remote_code: bool = False
     enable_prefix_caching: bool = True
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"

@@ -42,6 +42,7 @@ from pagoda.node_agent.engine.state import EngineState, EngineStats, engine_stat
 from pagoda.node_agent.kv.pool import KVPagePool, OutOfPages
 from pagoda.node_agent.models.loader import LoadedModel
 from pagoda.node_agent.models.tokenizer import Tokenizer
+from pagoda.node_agent.models.weight_bytes import phase_format_bytes
 from pagoda.node_agent.params import CapacityError, RequestError, SamplingParams
 
 log = logging.getLogger("pagoda.engine")
@@ -63,6 +64,7 @@ class LLMEngine:
         self.device, self.dtype = config.torch_device(), config.torch_dtype()
         t0 = time.perf_counter()
         parts = build_parts(config, loaded, tokenizer, run_worker_rank)
+        self.config = config = parts.config  # the weight formats left at auto, resolved for the source
         self.replica, self.model_config, self.tokenizer = parts.replica, parts.model_config, parts.tokenizer
         self.model, self.runner, self.max_model_len = parts.model, parts.runner, parts.max_model_len
         self.prefill_pool, self.decode_pool = parts.prefill_pool, parts.decode_pool
@@ -76,7 +78,8 @@ class LLMEngine:
         self.isolation = FailureIsolation(self.runner, self.scheduler, self.stats, self._requests)
         shared = (self.scheduler, self.integrity, self.replica, self.stats, self._requests)
         self.postprocess = Postprocessor(*shared, self.tokenizer, self.stop_rules)
-        self._weight_breakdown = self.model.weight_bytes()  # by part and format (models/weight_bytes.py)
+        # by part and format, and per phase by the format each layer runs in (models/weight_bytes.py)
+        self._weight_breakdown = {**self.model.weight_bytes(), "by_phase": phase_format_bytes(self.model)}
         self._weight_bytes = int(self._weight_breakdown["total"])
         log_ready(parts, self.dtype, self.device, t0)
 

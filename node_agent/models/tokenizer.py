@@ -12,10 +12,13 @@ log = logging.getLogger("pagoda.tokenizer")
 class Tokenizer:
     """Wraps the model's own tokenizer (tokenizer.json or the GGUF vocabulary)."""
 
-    def __init__(self, model_dir: str, gguf_file: str | None = None) -> None:
+    def __init__(self, model_dir: str, gguf_file: str | None = None, trust_remote_code: bool = False) -> None:
+        """``trust_remote_code``: a directory whose tokenizer is custom code (models/tokenizer_code.py)
+        may run it; without it such a tokenizer is refused, naming --trust-remote-code."""
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
+
+        from pagoda.node_agent.models.tokenizer_code import load_dir_tokenizer
 
         hf_logging.set_verbosity_error()
         if gguf_file:
@@ -23,7 +26,7 @@ class Tokenizer:
 
             self._tok = gguf_tokenizer(model_dir, gguf_file)
         else:
-            self._tok = AutoTokenizer.from_pretrained(model_dir)
+            self._tok = load_dir_tokenizer(model_dir, trust_remote_code)
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
         self.template_override: str | None = None  # --chat-template: used instead of the model's

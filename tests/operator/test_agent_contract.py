@@ -18,6 +18,7 @@ from pagoda.operator.spec import parse
         {},
         {"routing": {"prefixCaching": False, "sessionAffinity": False}, "integrity": {"mode": "audit"}},
         {"routing": {"trustTenantHeader": True}, "auth": {"apiKeysSecret": {"name": "keys"}}},
+        {"model": {"source": "pvc://models/kimi-k2", "trustRemoteCode": True}},
     ],
 )
 def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
@@ -28,6 +29,8 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     assert ns.no_prefix_caching == (not s.routing.prefix_caching)
     assert ns.trust_tenant_header == (role == "router" and s.routing.trust_tenant_header)
     assert ns.kv_port == (children.KV_PORT if role == "decode" else None)
+    # the engines (never the router, which loads no tokenizer) get the spec's trust decision
+    assert ns.trust_remote_code == (role != "router" and s.trust_remote_code)
     assert ns.drain_timeout == 30
     if role == "router":
         # Each pod of a pool through its headless Service; no formats (the router reads none).

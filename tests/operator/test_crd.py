@@ -38,6 +38,8 @@ def test_defaults_match_the_operator_defaults() -> None:
         stored["spec"]["decode"]["kvCacheFormat"] == "int8"
         and stored["spec"]["integrity"]["mode"] == "enforce"
     )
+    # running the model directory's code is opt-in
+    assert stored["spec"]["model"]["trustRemoteCode"] is False and parsed.trust_remote_code is False
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -64,6 +66,10 @@ def test_there_are_examples() -> None:
         ({"auth": {"apiKeysSecret": {"name": "Keys_Upper"}}}, "does not match"),
         ({"auth": {"apiKeysSecret": {"name": "k", "key": "a/b"}}}, "does not match"),
         ({"routing": {"trustTenantHeader": "yes"}}, "is not of type 'boolean'"),
+        (
+            {"model": {"source": "builtin://smollm2-135m", "trustRemoteCode": "yes"}},
+            "is not of type 'boolean'",
+        ),
         ({"networkPolicy": {"enabled": "no"}}, "is not of type 'boolean'"),
         ({"networkPolicy": {"metricsFrom": {"podSelector": {}}}}, "is not of type 'array'"),
         (

@@ -267,3 +267,21 @@ def test_fewer_kv_heads_than_ranks_replicate_the_kv_head(tiny_model_dir):
         q = w[p + "q_proj.weight"][rank * 2 * d : (rank + 1) * 2 * d]
         want = torch.cat([q, w[p + "k_proj.weight"], w[p + "v_proj.weight"]])
         assert torch.equal(model.layers[0].qkv_proj.by_phase["decode"].weight, want)
+
+
+@pytest.mark.slow  # about 49 s on 2 cores under a load of 7 (a refused run, then 2 ranks and 1)
+def test_kimi_k2_two_ranks_from_the_command_line(tmp_path):
+    """The released Kimi-K2 layout (tests/formats/kimi_writer.py) under ``pagoda generate
+    --tensor-parallel 2 --trust-remote-code`` in the default formats (``stored`` for this source):
+    the flag reaches the second rank, which loads the directory's tokenizer code too, and the tokens
+    equal one rank's. Without the flag the command fails, naming it."""
+    from tests.formats.kimi_writer import write_kimi_k2
+
+    write_kimi_k2(tmp_path)
+    path = str(tmp_path)
+    refused = start_generate("--model", path, "--tensor-parallel", "2", "--prompt", PROMPTS[0])
+    code, _, err = finish(refused)
+    assert code != 0 and "--trust-remote-code" in err, err[-2000:]
+    got = _tp2(path, "default", PROMPTS, NEW_TOKENS, TINY_KV, "--trust-remote-code")
+    want = _tp1(path, "default", PROMPTS, NEW_TOKENS, trust_remote_code=True)
+    assert got() == want

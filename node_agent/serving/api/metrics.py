@@ -444,7 +444,9 @@ def protocol_families(s: EngineSnapshot) -> list[GaugeMetricFamily]:
 
 def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFamily]:
     """``pagoda_weight_part_bytes{part}`` and ``pagoda_weight_format_bytes{format}``: the same total as
-    ``pagoda_weight_bytes``, split by model part and by weight format (none before the engine reports)."""
+    ``pagoda_weight_bytes``, split by model part and by weight format (none before the engine reports);
+    ``pagoda_weight_phase_format_bytes{phase,format}``: the block layers of each phase by the format
+    they run in (what ``stored`` resolved to)."""
     parts = GaugeMetricFamily(
         "pagoda_weight_part_bytes",
         "Bytes of model weights held by part (embeddings incl. LM head, attention, mlp, experts, other)",
@@ -455,12 +457,21 @@ def weight_families(pool: str, breakdown: dict[str, Any]) -> list[GaugeMetricFam
         "Bytes of model weights held by format (linear layers and experts by weight format, others by dtype)",
         labels=["pool", "format"],
     )
+    phases = GaugeMetricFamily(
+        "pagoda_weight_phase_format_bytes",
+        "Bytes of the block layers each phase runs, by the format each runs in (stored formats as "
+        "resolved; a weight two phases share counts in both)",
+        labels=["pool", "phase", "format"],
+    )
     if breakdown:
         for part in WEIGHT_PARTS:
             parts.add_metric([pool, part], breakdown.get(part, 0))
         for fmt, n in sorted(breakdown.get("by_format", {}).items()):
             formats.add_metric([pool, fmt], n)
-    return [parts, formats]
+        for phase, by_fmt in sorted(breakdown.get("by_phase", {}).items()):
+            for fmt, n in sorted(by_fmt.items()):
+                phases.add_metric([pool, phase, fmt], n)
+    return [parts, formats, phases]
 
 
 def _gauge(name: str, doc: str, pool: str, value: float) -> GaugeMetricFamily:
