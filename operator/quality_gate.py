@@ -326,7 +326,17 @@ async def _write(job: Job, update: Callable[[Obj], Obj]) -> bool:
 
 
 async def run(job: Job, clock: Callable[[], float] = time.monotonic) -> None:
-    """Score until a decision or the timeout; write the decision (Events for pass and fail)."""
+    """Score until a decision or the timeout; write the decision (Events for pass and fail), then
+    ask for a pass (which acts on the decision, or records the timeout)."""
+    try:
+        await _decide(job, clock)
+    finally:
+        if job.repass is not None:
+            with contextlib.suppress(Exception):
+                await job.repass()
+
+
+async def _decide(job: Job, clock: Callable[[], float]) -> None:
     at = parse_time(job.record.get("startedAt")) or dt.datetime.now(dt.UTC)
     deadline = clock() + max(job.gate.timeout_s - (dt.datetime.now(dt.UTC) - at).total_seconds(), 0.0)
     while True:
@@ -339,7 +349,8 @@ async def run(job: Job, clock: Callable[[], float] = time.monotonic) -> None:
             if job.record.get("lastError") != why:
                 await _write(job, lambda r, why=why: {**r, "lastError": why})
         if clock() + job.cfg.quality_retry_s >= deadline:
-            return  # the pass records the timeout
+            await asyncio.sleep(max(deadline - clock(), 0.0) + 0.05)  # then the pass sees it overdue
+            return
         await asyncio.sleep(job.cfg.quality_retry_s)
     now = dt.datetime.now(dt.UTC)
     result = decided(job.record, job.gate, figures, now)
@@ -352,9 +363,6 @@ async def run(job: Job, clock: Callable[[], float] = time.monotonic) -> None:
             )
         else:
             job.emit("Warning", FAILED_REASON, f"generation {result['generation']}: {result['message']}")
-    if job.repass is not None:
-        with contextlib.suppress(Exception):
-            await job.repass()
 
 
 class GateRunner:
