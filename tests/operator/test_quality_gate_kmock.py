@@ -60,7 +60,9 @@ def token(cluster: Cluster) -> str:
 
 
 @pytest.fixture
-def pairs(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[ScoreServer, ScoreServer]]]:
+def pairs(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., tuple[ScoreServer, ScoreServer]]]:
     """Start the reference's and the candidate's score servers and point the gate at them."""
     started: list[ScoreServer] = []
 
