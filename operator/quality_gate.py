@@ -376,7 +376,9 @@ class GateRunner:
         """Start the gate task of this generation unless it runs; True when started."""
         key = (job.meta["namespace"], job.meta["name"], job.record["generation"])
         for other in [k for k in self.tasks if k[:2] == key[:2] and k != key]:
-            self.tasks.pop(other).cancel()  # a newer generation replaces an older gate
+            task = self.tasks.pop(other)  # a newer generation replaces an older gate
+            if task is not asyncio.current_task():
+                task.cancel()
         task = self.tasks.get(key)
         if task is not None and not task.done():
             return False
@@ -384,8 +386,12 @@ class GateRunner:
         return True
 
     def stop(self, namespace: str, name: str) -> None:
+        """Cancel the gate tasks of one ModelDeployment; never the calling task (a gate task's own
+        ``repass`` runs a pass that may stop it: it is finishing anyway)."""
         for key in [k for k in self.tasks if k[:2] == (namespace, name)]:
-            self.tasks.pop(key).cancel()
+            task = self.tasks.pop(key)
+            if task is not asyncio.current_task():
+                task.cancel()
 
     async def close(self) -> None:
         for task in self.tasks.values():

@@ -251,3 +251,25 @@ def test_continuous_figures_per_pool_come_from_fresh_reports_only() -> None:
     assert quality_of(pods, fresh) == {
         "decode": {"agents": 2, "kl": 0.011, "top1": 0.97, "greedyPrefix": 0.8, "at": "2026-12-02T12:05:00Z"}
     }
+
+
+def test_a_gate_task_stopping_its_own_gate_is_not_cancelled() -> None:
+    """The task's repass runs a pass that stops the ModelDeployment's gates: not itself, mid-pass."""
+
+    async def main() -> tuple[bool, bool]:
+        runner = quality_gate.GateRunner()
+        finished = asyncio.Event()
+
+        async def own() -> None:
+            runner.stop("ns", "m")
+            await asyncio.sleep(0.01)  # a cancelled task would stop here
+            finished.set()
+
+        other = asyncio.create_task(asyncio.sleep(10))
+        runner.tasks[("ns", "m", "old")] = other
+        runner.tasks[("ns", "m", "new")] = task = asyncio.create_task(own())
+        await task
+        await asyncio.sleep(0)
+        return finished.is_set(), other.cancelled()
+
+    assert asyncio.run(main()) == (True, True)
