@@ -57,6 +57,14 @@ class Config:
         autoscaler = env.get("PAGODA_AUTOSCALER") or cls.autoscaler
         if autoscaler not in AUTOSCALERS:
             raise ValueError(f"PAGODA_AUTOSCALER {autoscaler!r} is not one of {AUTOSCALERS}")
+        score_url = env.get("PAGODA_QUALITY_SCORE_URL", cls.quality_score_url).strip()
+        try:
+            score_url.format(namespace="", md="", pool="", slot="", generation="", role="", port=0)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"PAGODA_QUALITY_SCORE_URL {score_url!r}: only the fields namespace, md, pool, slot, "
+                f"generation, role and port ({err!r})"
+            ) from None
         max_agents = int(env.get("PAGODA_STATUS_MAX_AGENTS", cls.status_max_agents))
         if not 0 <= max_agents <= 256:
             raise ValueError("PAGODA_STATUS_MAX_AGENTS must be within 0-256")
@@ -77,7 +85,7 @@ class Config:
             agent_cluster_role=env.get("PAGODA_AGENT_CLUSTER_ROLE", cls.agent_cluster_role).strip(),
             metrics_port=int(env.get("PAGODA_METRICS_PORT") or cls.metrics_port),
             secret_cache_s=float(env.get("PAGODA_SECRET_CACHE_S") or cls.secret_cache_s),
-            quality_score_url=env.get("PAGODA_QUALITY_SCORE_URL", cls.quality_score_url).strip(),
+            quality_score_url=score_url,
             quality_request_s=float(env.get("PAGODA_QUALITY_REQUEST_S") or cls.quality_request_s),
             quality_retry_s=float(env.get("PAGODA_QUALITY_RETRY_S") or cls.quality_retry_s),
         )

@@ -44,7 +44,7 @@ from pagoda.quality_probe import (
     compare,
 )
 
-from . import children
+from . import children, ownership
 from .config import Config
 from .kube import ApiError, Kube
 from .spec import POOLS, QualityGate
@@ -287,6 +287,9 @@ async def store_reference(kube: Kube, meta: Obj, reference: ScoreResponse) -> No
             }
         )
     else:
+        why = ownership.foreign(live, meta)
+        if why is not None:  # never overwrite what is not ours: the gate cannot pass (it times out)
+            raise ProbeError(f"ConfigMap {ns}/{name} {why}; the reference answer cannot be kept")
         await kube.patch("ConfigMap", ns, name, {"data": data})
 
 
@@ -342,9 +345,12 @@ async def _decide(job: Job, clock: Callable[[], float]) -> None:
     while True:
         try:
             figures, reference = await measure(job.kube, job.cfg, job.meta, job.gate, job.slots, job.record)
+            if not verdict(job.gate, figures):  # passes: keep the reference before the decision shows
+                await store_reference(job.kube, job.meta, reference)
             break
-        except (ProbeError, ApiError) as err:
-            why = str(err)[:MAX_MESSAGE]
+        except Exception as err:  # ProbeError, ApiError, or a bug: retried until the timeout, reported
+            why = str(err) if isinstance(err, ProbeError | ApiError) else f"{type(err).__name__}: {err}"
+            why = why[:MAX_MESSAGE]
             log.info("quality gate of %s: %s", job.meta["name"], why)
             if job.record.get("lastError") != why:
                 await _write(job, lambda r, why=why: {**r, "lastError": why})
@@ -354,8 +360,6 @@ async def _decide(job: Job, clock: Callable[[], float]) -> None:
         await asyncio.sleep(job.cfg.quality_retry_s)
     now = dt.datetime.now(dt.UTC)
     result = decided(job.record, job.gate, figures, now)
-    if result["phase"] == PASSED:
-        await store_reference(job.kube, job.meta, reference)
     if await _write(job, lambda r: decided(r, job.gate, figures, now)):
         if result["phase"] == PASSED:
             job.emit(

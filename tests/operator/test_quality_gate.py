@@ -273,3 +273,47 @@ def test_a_gate_task_stopping_its_own_gate_is_not_cancelled() -> None:
         return finished.is_set(), other.cancelled()
 
     assert asyncio.run(main()) == (True, True)
+
+
+def test_the_score_url_template_is_checked_and_used() -> None:
+    cfg = Config.from_env({"PAGODA_QUALITY_SCORE_URL": "http://{md}-{pool}-{slot}.{namespace}.svc:{port}"})
+    target = quality_gate.Target("ns", "m", "decode", "green", "g1", "candidate")
+    assert asyncio.run(quality_gate.pod_url(FakeKube(), cfg, target)) == "http://m-decode-green.ns.svc:8000"
+    with pytest.raises(ValueError, match="PAGODA_QUALITY_SCORE_URL"):
+        Config.from_env({"PAGODA_QUALITY_SCORE_URL": "http://{host}/"})
+
+
+def test_without_a_template_a_ready_pod_of_the_generation_is_scored() -> None:
+    kube = FakeKube()
+    labels = {children.MD_LABEL: "m", children.POOL_LABEL: "decode", children.FORMATS_LABEL: "g1"}
+
+    def pod(name: str, ip: str, ready: str, gen: str = "g1") -> dict:
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ns", "labels": {**labels, children.FORMATS_LABEL: gen}},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": ready}]},
+        }
+
+    kube.put(pod("a", "10.0.0.1", "False"))
+    kube.put(pod("b", "10.0.0.2", "True", gen="g0"))
+    target = quality_gate.Target("ns", "m", "decode", "green", "g1", "candidate")
+    assert asyncio.run(quality_gate.pod_url(kube, Config(), target)) is None  # none ready of g1
+    kube.put(pod("c", "10.0.0.3", "True"))
+    assert asyncio.run(quality_gate.pod_url(kube, Config(), target)) == "http://10.0.0.3:8000"
+
+
+def test_the_reference_configmap_is_replaced_only_when_it_is_ours() -> None:
+    kube = FakeKube()
+    first = ScoreResponse({}, [], [[1, 2]])
+    asyncio.run(quality_gate.store_reference(kube, META, first))
+    asyncio.run(quality_gate.store_reference(kube, META, ScoreResponse({}, [], [[3]])))  # a later gate
+    cm = kube.objects[("ConfigMap", "ns", "m-quality-reference")]
+    assert json.loads(cm["data"][REFERENCE_CONFIGMAP_KEY])["greedy"] == [[3]]
+    assert kube.writes == [
+        ("create", "ConfigMap", "m-quality-reference"),
+        ("patch", "ConfigMap", "m-quality-reference"),
+    ]
+    cm["metadata"] = {"name": "m-quality-reference", "namespace": "ns"}  # someone else's
+    with pytest.raises(quality_gate.ProbeError, match="cannot be kept"):
+        asyncio.run(quality_gate.store_reference(kube, META, first))

@@ -10,6 +10,7 @@ reference, the new pair the candidate); these tests point it at their servers. W
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,6 +25,7 @@ from test_operator_kmock import (
     NEW_GENERATION,
     NS,
     POOLS,
+    chart_rules,
     condition,
     create_md,
     deployment,
@@ -83,10 +85,12 @@ def pairs(
         server.__exit__()
 
 
-def serving_then_change(cluster: Cluster, timeout_s: int = 60) -> None:
+def serving_then_change(cluster: Cluster, timeout_s: int = 60, probe_set: str | None = None) -> None:
     """A gated ModelDeployment serving on the blue pair; then a KV format change whose green pair
     becomes ready."""
-    gate = {"qualityGate": {"timeout": timeout_s, "probeInterval": 600}}
+    gate: dict = {"qualityGate": {"timeout": timeout_s, "probeInterval": 600}}
+    if probe_set:
+        gate["qualityGate"]["probeSet"] = probe_set
     create_md(cluster, example(**CPU, rollout=gate))
     cluster.wait_for(lambda: deployment(cluster, "router"), what="children")
     for role in ("prefill", "decode", "router"):
@@ -119,13 +123,22 @@ def still_on_the_old_pair(cluster: Cluster) -> None:
 
 def test_an_honest_change_passes_the_gate_and_shifts(cluster: Cluster, pairs) -> None:
     ref, cand = pairs(noise=0.02)
-    serving_then_change(cluster)
+    probes = {
+        "texts": ["A short text the pairs score."],
+        "prompts": ["One prompt", "Another"],
+        "max_new_tokens": 6,
+    }
+    cm = {"metadata": {"name": "probes", "namespace": NS}, "data": {"probes.json": json.dumps(probes)}}
+    cluster.create(CM_PATH.format(ns=NS), cm)
+    serving_then_change(cluster, probe_set="probes")
     cluster.wait_for(lambda: selects(cluster, "decode") == NEW_GENERATION, what="decode shifted")
     cluster.wait_for(lambda: selects(cluster, "prefill") == NEW_GENERATION, what="prefill shifted")
     gate = gate_of(cluster)
     assert gate["phase"] == "Passed" and gate["generation"] == NEW_GENERATION
     assert gate["reference"] == GENERATION and 0 < gate["meanKL"] < 0.02
     assert len(ref.requests) == len(cand.requests) == 2  # each pool of each pair scored once
+    assert ref.requests[0]["prompts"] == ["One prompt", "Another"]  # the probeSet ConfigMap's
+    assert ref.requests[0]["max_new_tokens"] == 6
     cm = cluster.get(f"{CM_PATH.format(ns=NS)}/smollm-quality-reference")
     assert cm is not None and "reference.json" in cm["data"]
     cluster.wait_for(lambda: "QualityGatePassed" in reasons(cluster), what="the pass Event")
@@ -136,6 +149,15 @@ def test_an_honest_change_passes_the_gate_and_shifts(cluster: Cluster, pairs) ->
     assert md["status"]["quality"]["gate"]["phase"] == "Passed"  # kept as the last change's gate
     args = cluster.get(f"{DEPS}/smollm-decode-green")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--quality-probe-interval") + 1] == "600"
+    # the chart's RBAC allows the gate's calls (ConfigMaps: the probe set, the reference; the
+    # internal Secret's token); the other kinds' are test_operator_kmock's RBAC test's
+    used = {
+        (c.group, c.resource, c.verb)
+        for c in cluster.emulator.calls
+        if c.resource in ("configmaps", "secrets")
+    }
+    assert used - chart_rules() == set()
+    assert {("", "configmaps", "get"), ("", "configmaps", "create"), ("", "secrets", "get")} <= used
 
 
 def test_a_drifted_change_is_held_with_its_kl_while_the_old_pair_serves(cluster: Cluster, pairs) -> None:
