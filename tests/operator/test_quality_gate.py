@@ -317,3 +317,66 @@ def test_the_reference_configmap_is_replaced_only_when_it_is_ours() -> None:
     cm["metadata"] = {"name": "m-quality-reference", "namespace": "ns"}  # someone else's
     with pytest.raises(quality_gate.ProbeError, match="cannot be kept"):
         asyncio.run(quality_gate.store_reference(kube, META, first))
+
+
+def _ready(kube: FakeKube, name: str) -> None:
+    kube.objects[("Deployment", "ns", name)]["status"] = {
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+
+
+def test_reconcile_starts_resumes_and_times_out_a_gate() -> None:
+    """Passes over an in-memory API: a ready new pair waits in QualityGate with a Running record; a
+    new runner (an operator restart) resumes it with its startedAt; past the timeout it is TimedOut,
+    Degraded, with an Event, and the Services never moved."""
+    from pagoda.operator.reconcile import reconcile
+
+    body = admit(
+        example("m", prefill={"gpus": 0}, decode={"gpus": 0}, rollout={"qualityGate": {"timeout": 60}})
+    )
+    body["metadata"].update(namespace="ns", uid="uid-m", generation=1)
+    kube = FakeKube()
+    kube.put(body)
+    cfg = Config(quality_retry_s=0.05)
+
+    def md() -> dict:
+        return kube.objects[("ModelDeployment", "ns", "m")]
+
+    async def main() -> None:
+        now = dt.datetime.now(dt.UTC)
+        await reconcile(kube, md(), cfg, now=now)
+        for name in ("m-prefill", "m-decode", "m-router"):
+            _ready(kube, name)
+        md()["spec"]["prefill"]["kvCacheFormat"] = "int8"
+        await reconcile(kube, md(), cfg, now=now)  # StartNewPair
+        _ready(kube, "m-prefill-green")
+        _ready(kube, "m-decode-green")
+        events: list[tuple[str, str, str]] = []
+        runner = quality_gate.GateRunner()
+        hooks = quality_gate.Hooks(runner, asyncio.Lock())
+        out = await reconcile(kube, md(), cfg, now=now, hooks=hooks, emit=lambda *e: events.append(e))
+        assert out.stage == "QualityGate"
+        record = md()["status"]["quality"]["gate"]
+        assert record["phase"] == "Running" and len(runner.tasks) == 1
+        selector = kube.objects[("Service", "ns", "m-decode")]["spec"]["selector"]["pagoda.dev/formats"]
+        assert selector == record["reference"] != record["generation"]
+        await runner.close()
+        restarted = quality_gate.GateRunner()
+        later = now + dt.timedelta(seconds=30)
+        await reconcile(kube, md(), cfg, now=later, hooks=quality_gate.Hooks(restarted, asyncio.Lock()))
+        assert md()["status"]["quality"]["gate"]["startedAt"] == record["startedAt"] and restarted.tasks
+        await restarted.close()
+        late = now + dt.timedelta(seconds=61)
+        await reconcile(kube, md(), cfg, now=late, hooks=hooks, emit=lambda *e: events.append(e))
+        gate = md()["status"]["quality"]["gate"]
+        assert gate["phase"] == "TimedOut" and not runner.tasks
+        degraded = next(c for c in md()["status"]["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "QualityGateTimeout"
+        assert ("Warning", "QualityGateTimeout") in [e[:2] for e in events]
+        assert (
+            kube.objects[("Service", "ns", "m-decode")]["spec"]["selector"]["pagoda.dev/formats"] == selector
+        )
+
+    asyncio.run(main())
