@@ -35,6 +35,10 @@ SLOT_LABEL = "pagoda.dev/slot"
 BLUE, GREEN = "blue", "green"  # the two slots of a pool pair: <md>-<pool> and <md>-<pool>-green
 INTERNAL_SECRET_ANNOTATION = "pagoda.dev/internal-secret-uid"
 MODEL_MOUNT = "/mnt/models"
+# The reference answer of the last passed quality gate (operator/quality_gate.py writes it).
+QUALITY_REFERENCE = "quality-reference"
+QUALITY_REFERENCE_DIR = "/etc/pagoda/quality"
+QUALITY_REFERENCE_FILE = QUALITY_REFERENCE_DIR + "/reference.json"  # quality_probe.REFERENCE_CONFIGMAP_KEY
 INTERNAL = "internal"  # component of the operator-generated Secret
 INTERNAL_TOKEN_KEY = "internal-token"
 TENANT_SECRET_KEY = "tenant-secret"
@@ -189,6 +193,10 @@ def agent_args(
     if pool.multi_node:  # the rendezvous host and this pod's index come from the LWS environment
         args += ["--nodes", str(pool.nodes_per_replica), "--dist-port", str(DIST_PORT)]
     args += ["--drain-timeout", str(pool.drain.timeout_s)]
+    gate = spec.rollout.gate
+    if gate is not None and gate.probe_interval_s > 0:  # against the reference the last gate accepted
+        args += ["--quality-reference", QUALITY_REFERENCE_FILE]
+        args += ["--quality-probe-interval", str(gate.probe_interval_s)]
     return args
 
 
@@ -226,9 +234,16 @@ def _resources(pool: Pool) -> Obj:
     return res
 
 
-def _volumes(spec: Spec, role: str) -> tuple[list[Obj], list[Obj]]:
+def _volumes(spec: Spec, role: str, md_name: str = "") -> tuple[list[Obj], list[Obj]]:
     volumes: list[Obj] = []
     mounts: list[Obj] = []
+    gate = spec.rollout.gate
+    if role in ("prefill", "decode") and gate is not None and gate.probe_interval_s > 0:
+        # Optional: the ConfigMap exists once a gated format change has passed; the kubelet
+        # fills the directory in when it appears (the engine waits for the file meanwhile).
+        cm = {"name": child_name(md_name, QUALITY_REFERENCE), "optional": True}
+        volumes.append({"name": "quality-reference", "configMap": cm})
+        mounts.append({"name": "quality-reference", "mountPath": QUALITY_REFERENCE_DIR, "readOnly": True})
     if spec.source.startswith("pvc://"):
         claim = spec.source[len("pvc://") :].partition("/")[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
@@ -310,7 +325,7 @@ def _pod_template(
 ) -> Obj:
     """The pod template of a role (for a multi-node pool: of its leader, or of its workers)."""
     name = meta["name"]
-    volumes, mounts = _volumes(spec, role)
+    volumes, mounts = _volumes(spec, role, name)
     drain = _drain_of(spec, role)
     pod_spec: Obj = {
         "serviceAccountName": child_name(name, AGENT),

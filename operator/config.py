@@ -40,6 +40,11 @@ class Config:
     metrics_port: int = 0  # the operator's Prometheus metrics port; 0: not served
     # How long a Secret found by a pass is answered from memory (Secrets are not watched).
     secret_cache_s: float = 60.0
+    # The quality gate: a template of the score endpoint's base URL (fields namespace, md, pool,
+    # slot, generation, role, port); empty: a ready pod's IP. Per-request timeout, retry pause.
+    quality_score_url: str = ""
+    quality_request_s: float = 120.0
+    quality_retry_s: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -52,6 +57,14 @@ class Config:
         autoscaler = env.get("PAGODA_AUTOSCALER") or cls.autoscaler
         if autoscaler not in AUTOSCALERS:
             raise ValueError(f"PAGODA_AUTOSCALER {autoscaler!r} is not one of {AUTOSCALERS}")
+        score_url = env.get("PAGODA_QUALITY_SCORE_URL", cls.quality_score_url).strip()
+        try:
+            score_url.format(namespace="", md="", pool="", slot="", generation="", role="", port=0)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(
+                f"PAGODA_QUALITY_SCORE_URL {score_url!r}: only the fields namespace, md, pool, slot, "
+                f"generation, role and port ({err!r})"
+            ) from None
         max_agents = int(env.get("PAGODA_STATUS_MAX_AGENTS", cls.status_max_agents))
         if not 0 <= max_agents <= 256:
             raise ValueError("PAGODA_STATUS_MAX_AGENTS must be within 0-256")
@@ -72,4 +85,7 @@ class Config:
             agent_cluster_role=env.get("PAGODA_AGENT_CLUSTER_ROLE", cls.agent_cluster_role).strip(),
             metrics_port=int(env.get("PAGODA_METRICS_PORT") or cls.metrics_port),
             secret_cache_s=float(env.get("PAGODA_SECRET_CACHE_S") or cls.secret_cache_s),
+            quality_score_url=score_url,
+            quality_request_s=float(env.get("PAGODA_QUALITY_REQUEST_S") or cls.quality_request_s),
+            quality_retry_s=float(env.get("PAGODA_QUALITY_RETRY_S") or cls.quality_retry_s),
         )

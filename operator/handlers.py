@@ -10,7 +10,7 @@ from typing import Any
 
 import kopf
 
-from . import children, crd, metrics
+from . import children, crd, metrics, quality_gate
 from .config import Config
 from .kube import Kube
 from .reconcile import reconcile
@@ -38,6 +38,8 @@ class Memo:
     # The resync loop, in a dict: kopf hands each object a shallow copy of the memo, so only a
     # shared container holds one loop for all of them.
     tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    # The quality gates being scored (their decisions are written into the objects' status).
+    gates: quality_gate.GateRunner = field(default_factory=quality_gate.GateRunner)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -55,7 +57,12 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any, trigger: str = "c
     if memo.kube is None:
         raise kopf.TemporaryError("not logged in yet", delay=1)
     meta = body["metadata"]
-    async with memo.lock(meta["namespace"], meta["name"]):
+    lock = memo.lock(meta["namespace"], meta["name"])
+
+    async def repass() -> None:  # a gate task's decision is written: act on it now
+        await _pass(memo, {"metadata": {"namespace": meta["namespace"], "name": meta["name"]}}, log, "gate")
+
+    async with lock:
         # Re-read under the lock: the body kopf hands over may predate the previous pass's writes.
         async with metrics.timed(trigger):
             fresh = await memo.kube.get("ModelDeployment", meta["namespace"], meta["name"])
@@ -68,6 +75,7 @@ async def _pass(memo: Memo, body: dict[str, Any], logger: Any, trigger: str = "c
                 emit=_emitter(fresh, logger),
                 windows=memo.windows,
                 lws_checked=memo.lws_checked,
+                hooks=quality_gate.Hooks(memo.gates, lock, repass),
             )
 
 
@@ -157,6 +165,7 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await memo.gates.close()
         if memo.kube is not None:
             await memo.kube.close()
 
@@ -177,6 +186,7 @@ def register(registry: kopf.OperatorRegistry, cfg: Config) -> kopf.OperatorRegis
             memo.known.discard(key)
             memo.locks.pop(key, None)
             memo.windows.pop(key, None)
+            memo.gates.stop(*key)
             log.info("ModelDeployment %s/%s deleted; the garbage collector removes its children", *key)
         else:
             memo.known.add(key)

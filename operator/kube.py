@@ -20,6 +20,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Pod": ("/api/v1", "pods"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "Secret": ("/api/v1", "secrets"),
+    "ConfigMap": ("/api/v1", "configmaps"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),

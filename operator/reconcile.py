@@ -15,13 +15,22 @@ from typing import Any
 from pagoda.agent_lease import renew_times
 from pagoda.agent_report import format_time, parse_time
 
-from . import children, credentials, formats, lws_support, mismatch_decay, ownership, rollout
+from . import children, credentials, formats, lws_support, mismatch_decay, ownership, quality_gate, rollout
 from .apply import ensure, removals
 from .conditions import DEGRADED, KV_INTEGRITY_DEGRADED, PROGRESSING, READY, Condition, merge, transitions
 from .config import Config
 from .kube import ApiError, Kube
 from .spec import POOLS, Spec, parse
-from .status import agent_entries, alive_at, incomplete_groups, pool_figures, reports_of, split, window
+from .status import (
+    agent_entries,
+    alive_at,
+    incomplete_groups,
+    pool_figures,
+    quality_of,
+    reports_of,
+    split,
+    window,
+)
 
 Obj = dict[str, Any]
 Emit = Callable[[str, str, str], None]  # (type, reason, message)
@@ -40,6 +49,7 @@ OWNED = (
     "rollout",
     "agents",
     "agentsTotal",
+    "quality",
 )
 MAX_NAMES = 10  # pod names listed in a condition message
 
@@ -64,6 +74,8 @@ class Outcome:
     # Objects with a child's name that are not this ModelDeployment's: left untouched.
     refused: list[ownership.AlreadyOwned] = field(default_factory=list)
     plan: rollout.Plan | None = None
+    # status.quality.gate as this pass leaves it (None: no gate record).
+    gate: Obj | None = None
 
 
 def _replicas(dep: Obj | None, key: str) -> int:
@@ -159,7 +171,16 @@ def _pick(found: dict[str, Obj], kind: str) -> Obj | None:
 
 
 async def _converge(
-    kube: Kube, meta: Obj, spec: Spec, cfg: Config, status: Obj, now: dt.datetime, out: Outcome, lws: bool
+    kube: Kube,
+    meta: Obj,
+    spec: Spec,
+    cfg: Config,
+    status: Obj,
+    now: dt.datetime,
+    out: Outcome,
+    lws: bool,
+    hooks: quality_gate.Hooks | None = None,
+    emit: Emit | None = None,
 ) -> dict[str, Obj | None]:
     """Apply the children; the pool pair goes by ``rollout.plan`` (blue/green on a format change).
     A pool's workload is a Deployment, or a LeaderWorkerSet when multi-node; a switch of kind
@@ -180,8 +201,12 @@ async def _converge(
     shifted_at = parse_time((status.get("rollout") or {}).get("shiftedAt"))
     kv = (spec.prefill.kv_cache_format, spec.decode.kv_cache_format)
     generation = children.formats_generation(spec)
-    plan = rollout.plan(generation, deps, services, names, kv, shifted_at, now, cfg.shift_settle_s)
+    gate = spec.rollout.gate
+    record = quality_gate.current(status, generation) if gate is not None else None
+    gate_open = gate is None or (record is not None and record.get("phase") == quality_gate.PASSED)
+    plan = rollout.plan(generation, deps, services, names, kv, shifted_at, now, cfg.shift_settle_s, gate_open)
     out.plan = plan
+    _gate(meta, spec, cfg, status, now, out, kube, hooks, emit or (lambda *_: None))
     out.stage = plan.stage
     placed = {p: s or children.BLUE for p, s in plan.slots.items()}
     desired = children.build(
@@ -252,6 +277,46 @@ async def _converge(
         **serving,
         "router": router if router is None or ownership.foreign(router, meta) is None else None,
     }
+
+
+def _gate(
+    meta: Obj,
+    spec: Spec,
+    cfg: Config,
+    status: Obj,
+    now: dt.datetime,
+    out: Outcome,
+    kube: Kube,
+    hooks: quality_gate.Hooks | None,
+    emit: Emit,
+) -> None:
+    """The quality gate's step of this pass: start, time out or read the decision of the gate of
+    the current generation (``out.gate``); outside stage QualityGate the last record is kept, but
+    a gate still Running there was abandoned (the spec moved on) and is dropped."""
+    plan, gate = out.plan, spec.rollout.gate
+    generation = children.formats_generation(spec)
+    previous = (status.get("quality") or {}).get("gate")
+    previous = dict(previous) if isinstance(previous, dict) else None
+    if plan is None or gate is None or plan.stage != rollout.QUALITY_GATE:
+        if hooks is not None:
+            hooks.runner.stop(meta["namespace"], meta["name"])
+        keep = previous is not None and previous.get("phase") != quality_gate.RUNNING
+        out.gate = previous if keep else None
+        return
+    record = quality_gate.current(status, generation)
+    if record is None:
+        reference = plan.serving.get("decode") or plan.serving.get("prefill") or ""
+        record = quality_gate.started(generation, reference, gate, now)
+    if quality_gate.overdue(record, gate, now):
+        record = quality_gate.timed_out(record, now)
+        emit("Warning", quality_gate.TIMEOUT_REASON, f"generation {generation}: {record['message']}")
+        if hooks is not None:
+            hooks.runner.stop(meta["namespace"], meta["name"])
+    if record.get("phase") == quality_gate.RUNNING and hooks is not None:
+        slots = {p: (plan.scale_slots[p], plan.slots[p] or children.GREEN) for p in POOLS}
+        job = quality_gate.Job(kube, cfg, meta, gate, slots, record, hooks.lock, emit, hooks.repass)
+        hooks.runner.ensure(job)
+    out.gate = record
 
 
 def _serving_kinds(
@@ -325,7 +390,10 @@ def _conditions(
         or not rollout.only_current_pods(deps[role])
         or _replicas(deps[role], "updatedReplicas") < desired[role]
     ]
-    if out.stage and out.plan is not None:
+    held = _held(out)
+    if held is not None:
+        progressing = Condition(PROGRESSING, False, held.reason, held.message)
+    elif out.stage and out.plan is not None:
         progressing = Condition(PROGRESSING, True, out.stage, out.plan.message)
     elif rolling:
         progressing = Condition(PROGRESSING, True, "RollingOut", "rolling out: " + ", ".join(rolling))
@@ -352,6 +420,8 @@ def _conditions(
         degraded = Condition(DEGRADED, True, ownership.ALREADY_OWNED, refused)
     elif out.apply_errors:
         degraded = Condition(DEGRADED, True, "ApplyFailed", "; ".join(out.apply_errors))
+    elif held is not None:
+        degraded = held
     elif stalled:
         degraded = Condition(
             DEGRADED,
@@ -376,6 +446,29 @@ def _conditions(
     else:
         degraded = Condition(DEGRADED, False, "AsExpected", "no stale agents, no unavailable replicas")
     return [ready, progressing, degraded, _integrity(spec, rates)]
+
+
+def _held(out: Outcome) -> Condition | None:
+    """Degraded for a format change its quality gate holds (failed, or timed out), else None."""
+    rec = out.gate if out.stage == rollout.QUALITY_GATE else None
+    if rec is None or rec.get("phase") not in (quality_gate.FAILED, quality_gate.TIMED_OUT):
+        return None
+    who = f"the new pair (generation {rec.get('generation')})"
+    if rec["phase"] == quality_gate.FAILED:
+        figures = quality_gate.figures_text(rec)
+        return Condition(
+            DEGRADED,
+            True,
+            quality_gate.FAILED_REASON,
+            f"{who} failed its quality gate against generation {rec.get('reference')} ({figures}): "
+            f"{rec.get('message')}; the serving pair keeps serving",
+        )
+    return Condition(
+        DEGRADED,
+        True,
+        quality_gate.TIMEOUT_REASON,
+        f"{who}: {rec.get('message')}; the change is stalled and the serving pair keeps serving",
+    )
 
 
 def _warn_refused(status: Obj, conds: list[Condition], emit: Emit) -> None:
@@ -506,12 +599,14 @@ async def reconcile(
     emit: Emit | None = None,
     windows: dict[tuple[str, str], Obj] | None = None,
     lws_checked: dict[str, Any] | None = None,
+    hooks: quality_gate.Hooks | None = None,
 ) -> Outcome:
     """Converge the children of one ModelDeployment and write its status.
 
     ``windows`` holds the mismatch-rate window snapshot per ModelDeployment across passes (the
     operator's memory); without it each pass starts a new window. ``lws_checked`` keeps the
-    installed LeaderWorkerSet's version check (``lws_support``) for the operator's run."""
+    installed LeaderWorkerSet's version check (``lws_support``) for the operator's run. ``hooks``
+    runs quality gates (quality_gate.py); without them a gate stays Running until its timeout."""
     now = now or dt.datetime.now(dt.UTC)
     emit = emit or (lambda *_: None)
     meta = body["metadata"]
@@ -545,7 +640,7 @@ async def reconcile(
                 green = children.pool_deployment_name(name, role, children.GREEN)
                 deps[role] = _pick(await _found(kube, ns, green, lws), kind)
     else:
-        deps = await _converge(kube, meta, spec, cfg, status, now, out, lws)
+        deps = await _converge(kube, meta, spec, cfg, status, now, out, lws, hooks, emit)
     for key, action in out.actions.items():
         emit("Normal", action.capitalize(), f"{key} {action}")
         log.info("child %s %s", key, action, extra={"modeldeployment": f"{ns}/{name}", "child": key})
@@ -617,6 +712,15 @@ async def reconcile(
         "agentsTotal": len(agents.fresh) + len(agents.stale),
         "rollout": _rollout_status(spec, out, status, now),
     }
+    quality: Obj = {}
+    if out.gate is not None:
+        quality["gate"] = out.gate
+    elif out.problems and isinstance((status.get("quality") or {}).get("gate"), dict):
+        quality["gate"] = status["quality"]["gate"]  # nothing was converged: kept as it was
+    if continuous := quality_of(pods, agents.fresh):
+        quality["pools"] = continuous
+    if quality:
+        owned["quality"] = quality
     if meta.get("generation") is not None:
         owned["observedGeneration"] = meta["generation"]
     before = {k: status[k] for k in OWNED if k in status}

@@ -10,6 +10,8 @@ any format makes a new generation; instead of rolling the serving pods it:
    one pool at a time in the order that keeps every mixed pair's KV handoff allowed (decode first
    unless the old prefill cannot hand off to the new decode), ``shift_settle_s`` apart so the
    router's DNS has caught up;
+   With ``spec.rollout.qualityGate`` on, a ready new pair first waits in QualityGate until the
+   gate (quality_gate.py) has passed its generation; a failed or timed-out gate never shifts;
 3. RemoveOldPair: ``shift_settle_s`` after the last shift deletes the old pair (its pods drain).
 
 A new pair that makes no progress within ``progressDeadlineSeconds`` (the Deployments' own
@@ -32,6 +34,7 @@ from .children import BLUE, FORMATS_LABEL, GREEN, LWS_KIND, generation_of, pod_t
 
 Obj = dict[str, Any]
 POOLS = ("prefill", "decode")
+QUALITY_GATE = "QualityGate"  # the stage between a ready new pair and the first shift
 FLAGS = ("--prefill-weights", "--prefill-kv", "--decode-weights", "--decode-kv")
 
 
@@ -133,9 +136,12 @@ def plan(
     shifted_at: dt.datetime | None,
     now: dt.datetime,
     settle_s: float,
+    gate_open: bool = True,
 ) -> Plan:
     """This pass's actions for the pool pair, from the live Deployments (by (pool, slot)) and the
-    live pool Services; ``new_kv`` is the desired (prefill KV, decode KV)."""
+    live pool Services; ``new_kv`` is the desired (prefill KV, decode KV). ``gate_open`` False (a
+    quality gate that has not passed this generation): a ready new pair waits in stage QualityGate
+    before the first Service moves."""
     out = Plan()
     selected: dict[str, str | None] = {}
     legacy: dict[str, bool] = {}
@@ -213,6 +219,13 @@ def plan(
         )
         problems = [f"{names[(p, new[p])]}: {m}" for p in POOLS if (m := stalled(deps.get((p, new[p]))))]
         out.stalled = "; ".join(problems) or None
+        return out
+    if not gate_open and all(selected[pool] != generation for pool in POOLS):
+        out.stage = QUALITY_GATE
+        out.message = (
+            f"format change: the new pair (generation {generation}) is ready; its quality gate decides "
+            "before any traffic moves"
+        )
         return out
     out.stage = "ShiftTraffic"
     out.message = f"format change: moving traffic to the new pair (generation {generation})"

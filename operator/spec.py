@@ -177,10 +177,32 @@ class Router:
 
 
 @dataclass(frozen=True)
+class QualityGate:
+    """``spec.rollout.qualityGate``: the probe set scored through the new pair and the serving one
+    before traffic moves (opt-in: absent, or ``enabled: false``, shifts on readiness alone)."""
+
+    enabled: bool = True
+    max_kl: float = 0.02
+    min_top1: float = 0.9
+    min_greedy_agreement: float = 0.5
+    timeout_s: int = 600
+    probe_set: str | None = None  # a ConfigMap with probes.json; None: the built-in set
+    probe_interval_s: int = 0  # continuous probes on the engine pods; 0: off
+
+
+@dataclass(frozen=True)
 class Rollout:
-    """Format changes: how long a new pool pair may take to become ready before Degraded."""
+    """Format changes: how long a new pool pair may take to become ready before Degraded, and the
+    quality gate (None: not asked for)."""
 
     progress_deadline_s: int = 1800
+    quality_gate: QualityGate | None = None
+
+    @property
+    def gate(self) -> QualityGate | None:
+        """The gate when it is on (present and enabled)."""
+        g = self.quality_gate
+        return g if g is not None and g.enabled else None
 
 
 @dataclass(frozen=True)
@@ -348,7 +370,23 @@ def parse(raw: dict[str, Any]) -> Spec:
         ),
         auth=_auth(raw.get("auth")),
         network_policy=_network_policy(raw.get("networkPolicy")),
-        rollout=Rollout(
-            int((raw.get("rollout") or {}).get("progressDeadlineSeconds", Rollout.progress_deadline_s))
-        ),
+        rollout=_rollout(raw.get("rollout")),
     )
+
+
+def _rollout(raw: Any) -> Rollout:
+    raw = raw if isinstance(raw, dict) else {}
+    gate = raw.get("qualityGate")
+    qg = None
+    if isinstance(gate, dict):
+        d = QualityGate()
+        qg = QualityGate(
+            enabled=bool(gate.get("enabled", d.enabled)),
+            max_kl=float(gate.get("maxKL", d.max_kl)),
+            min_top1=float(gate.get("minTop1", d.min_top1)),
+            min_greedy_agreement=float(gate.get("minGreedyAgreement", d.min_greedy_agreement)),
+            timeout_s=int(gate.get("timeout", d.timeout_s)),
+            probe_set=str(gate["probeSet"]) if gate.get("probeSet") else None,
+            probe_interval_s=int(gate.get("probeInterval", d.probe_interval_s)),
+        )
+    return Rollout(int(raw.get("progressDeadlineSeconds", Rollout.progress_deadline_s)), qg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,3 +201,39 @@ def window(
     known = set(fresh) if known is None else known
     kept = {pod: c for pod, c in base.items() if pod in known}
     return rates, {"startTime": snapshot["startTime"], "counters": kept}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        return None
+    return float(value)
+
+
+def quality_of(pods: list[Obj], fresh: Reports) -> Obj:
+    """``status.quality.pools``: per pool the last continuous-probe figures of its fresh agents
+    (the report's optional ``quality``: kl, top1, greedyPrefix, at): the worst KL, the lowest
+    agreements, the latest time and how many agents had figures. Malformed entries are skipped."""
+    out: Obj = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        report = fresh.get(meta.get("name", ""))
+        if report is None or report.pool not in POOLS:
+            continue
+        try:
+            raw = json.loads((meta.get("annotations") or {}).get(REPORT_ANNOTATION) or "{}")
+        except (TypeError, ValueError):
+            continue
+        q = raw.get("quality") if isinstance(raw, dict) else None
+        if not isinstance(q, dict) or _number(q.get("kl")) is None:
+            continue
+        at = parse_time(q.get("at"))
+        entry = out.setdefault(report.pool, {"agents": 0})
+        entry["agents"] += 1
+        entry["kl"] = round(max(entry.get("kl", 0.0), _number(q["kl"]) or 0.0), 6)
+        for key in ("top1", "greedyPrefix"):
+            value = _number(q.get(key))
+            if value is not None:
+                entry[key] = round(min(entry.get(key, 1.0), value), 4)
+        if at is not None and (entry.get("at") is None or format_time(at) > entry["at"]):
+            entry["at"] = format_time(at)
+    return out

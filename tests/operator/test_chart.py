@@ -25,6 +25,9 @@ METRICS = (
     "pagoda_integrity_checks_total",
     "pagoda_integrity_mismatches_total",
 )
+# The continuous quality probe's gauges (engine pods export them when probeInterval > 0): alerted on,
+# not yet on the dashboard.
+QUALITY_METRICS = ("pagoda_quality_kl", "pagoda_quality_top1")
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +138,12 @@ def test_prometheus_rules_alert_on_integrity_and_stale_agents(chart: helm_python
     assert {"PagodaKVIntegrityDegraded", "PagodaHighMismatchRate", "PagodaStaleAgents"} <= set(rules)
     assert rules["PagodaHighMismatchRate"]["expr"].endswith("> 0.05")
     assert rules["PagodaKVIntegrityDegraded"]["expr"].endswith("> 0.0001")
+    assert rules["PagodaQualityDrift"]["expr"].endswith("(pagoda_quality_kl) > 0.02")  # the gate's defaults
+    assert rules["PagodaQualityTop1Low"]["expr"].endswith("(pagoda_quality_top1) < 0.9")
     exprs = " ".join(r["expr"] for r in rules.values())
-    for metric in re.findall(r"pagoda_[a-z_]+", exprs):
+    for metric in re.findall(r"pagoda_[a-z0-9_]+", exprs):
         if metric != "pagoda_dev_model_deployment":  # the ServiceMonitor's target label, not a metric
-            assert metric in METRICS, metric  # only metrics the agents export
+            assert metric in METRICS + QUALITY_METRICS, metric  # only metrics the agents export
     # Stale agents: only targets of the chart's ServiceMonitor (they carry its target label).
     assert rules["PagodaStaleAgents"]["expr"] == 'up{pagoda_dev_model_deployment!=""} == 0'
     assert monitor_target_label(render(chart, NON_DEFAULT)) == "pagoda.dev/model-deployment"
@@ -221,7 +226,9 @@ def test_rbac_is_least_privilege(chart: helm_python.Chart) -> None:
     ]
     assert verbs[("pagoda.dev", "modeldeployments/finalizers")] == {"update"}
     assert verbs[("pagoda.dev", "modeldeployments")] == {"get", "list", "watch", "patch"}
-    assert verbs.get(("", "configmaps"), set()) <= {"list", "watch"}  # it creates none
+    # ConfigMaps: the quality gate's probe set (get) and <md>-quality-reference (create, patch);
+    # never list/watch (every ConfigMap of the namespaces) nor delete (the garbage collector does).
+    assert verbs[("", "configmaps")] == {"get", "create", "patch"}
     # Secrets: read by name and create <md>-internal; never list/watch (every Secret's data) or rewrite.
     assert verbs[("", "secrets")] == {"get", "create"}
 

@@ -179,8 +179,10 @@ def test_every_cel_rule_is_evaluated_somewhere(crd: dict) -> None:
 
     schema = md_schema(crd)
     rules = str(schema).count("'rule':")
-    assert rules == 25
+    assert rules == 27
     assert cel_errors(schema, admit(example())) == []
+    gated = {"rollout": {"qualityGate": {"probeSet": "my-probes", "probeInterval": 300}}}
+    assert cel_errors(schema, admit(example(**gated))) == []  # the quality gate's rules ran
     auto = {"autoscaling": {"maxReplicas": 2, "targets": {"ttftSeconds": 2}}}
     assert cel_errors(schema, admit(example(decode=auto, prefill=auto))) == []  # autoscaling rules ran
     peers = {"networkPolicy": {"metricsFrom": [{"podSelector": {}}]}}

@@ -737,6 +737,9 @@ UNEXERCISED = {
     ("gateway.networking.k8s.io", "httproutes", "create"): "likewise",
     ("gateway.networking.k8s.io", "httproutes", "patch"): "likewise",
     ("gateway.networking.k8s.io", "httproutes", "delete"): "likewise",
+    ("", "configmaps", "get"): "spec.rollout.qualityGate: the probe set (test_quality_gate_kmock.py)",
+    ("", "configmaps", "create"): "likewise: the reference of a passed gate",
+    ("", "configmaps", "patch"): "likewise: the reference of a later passed gate (test_quality_gate.py)",
     # get: the watch cache answers every read of these kinds; the API is asked only for an object
     # the cache cannot answer for (a foreign one met on create: watch_cache.CachedKube).
     ("apps", "deployments", "get"): "a foreign Deployment met on create (test_controllers_kmock.py)",

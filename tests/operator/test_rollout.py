@@ -43,9 +43,17 @@ def svc(gen: str | None) -> dict:
     return {"spec": {"selector": selector}}
 
 
-def run(deps: dict, services: dict, shifted_at: dt.datetime | None = None, new: tuple = NEW) -> rollout.Plan:
+def run(
+    deps: dict,
+    services: dict,
+    shifted_at: dt.datetime | None = None,
+    new: tuple = NEW,
+    gate_open: bool = True,
+) -> rollout.Plan:
     full = {key: deps.get(key) for key in NAMES}
-    return rollout.plan(generation_of(new), full, services, NAMES, (new[1], new[3]), shifted_at, NOW, 15)
+    return rollout.plan(
+        generation_of(new), full, services, NAMES, (new[1], new[3]), shifted_at, NOW, 15, gate_open
+    )
 
 
 BLUE_OLD = {("prefill", BLUE): dep(OLD), ("decode", BLUE): dep(OLD)}
@@ -168,3 +176,15 @@ def test_services_from_before_generations_are_pinned_first(change: bool) -> None
     relabelled = run({("prefill", BLUE): dep(OLD), ("decode", BLUE): dep(OLD)}, unpinned)
     assert relabelled.serving == {"prefill": G_OLD, "decode": G_OLD} and not relabelled.label
     assert run({("prefill", BLUE): dep(OLD), ("decode", BLUE): dep(OLD)}, ON_OLD).stage == "StartNewPair"
+
+
+def test_a_closed_quality_gate_holds_a_ready_pair_before_the_first_shift_only() -> None:
+    both = {**BLUE_OLD, ("prefill", GREEN): dep(NEW), ("decode", GREEN): dep(NEW)}
+    held = run(both, ON_OLD, gate_open=False)
+    assert held.stage == "QualityGate" and not held.shifted
+    assert held.serving == {"prefill": G_OLD, "decode": G_OLD} and held.scale_slots["decode"] == BLUE
+    assert held.slots == {"prefill": GREEN, "decode": GREEN} and not held.delete  # both pairs kept
+    starting = {**BLUE_OLD, ("prefill", GREEN): dep(NEW, ready=0), ("decode", GREEN): dep(NEW)}
+    assert run(starting, ON_OLD, gate_open=False).stage == "StartNewPair"  # not ready: nothing to gate
+    half = {"prefill": svc(G_OLD), "decode": svc(G_NEW)}  # one pool moved (the gate came later)
+    assert run(both, half, shifted_at=NOW - dt.timedelta(seconds=30), gate_open=False).stage == "ShiftTraffic"

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -37,16 +36,15 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from pagoda.internal_proof import HEADER, SCHEME, derive, request_header, request_mac
 from pagoda.node_agent.serving.api.errors import ApiError
 from pagoda.node_agent.serving.api.metrics import ServeMetrics
 
-HEADER = "X-Pagoda-Internal-Auth"
 TOKEN_FILE_ENV = "PAGODA_INTERNAL_TOKEN_FILE"
 TOKEN_ENV = "PAGODA_INTERNAL_TOKEN"
 MIN_TOKEN_CHARS = 16
 WINDOW_S = 300.0  # accepted clock skew between router and workers, and a nonce's lifetime
 MAX_NONCES = 200_000  # remembered nonces (only requests with a valid MAC add one)
-SCHEME = "v1"
 MAC_BYTES = 32
 
 
@@ -87,11 +85,6 @@ def require_token(role: str, token_file: str | None, env: Mapping[str, str] | No
     return token
 
 
-def derive(token: str, purpose: str) -> bytes:
-    """A key for one purpose ("request", "grant", "kv-header") from the shared token."""
-    return hmac.new(token.encode(), b"pagoda-internal-v1:" + purpose.encode(), hashlib.sha256).digest()
-
-
 class InternalAuth:
     """Signs and verifies internal-plane proofs with keys derived from one token."""
 
@@ -106,13 +99,11 @@ class InternalAuth:
     # ------------------------------------------------------------------ HTTP requests
 
     def _request_mac(self, method: str, path: str, ts: str, nonce: str) -> str:
-        msg = "\n".join((SCHEME, method.upper(), path, ts, nonce)).encode()
-        return hmac.new(self._request_key, msg, hashlib.sha256).hexdigest()
+        return request_mac(self._request_key, method, path, ts, nonce)
 
     def headers(self, method: str, path: str) -> dict[str, str]:
         """The header proving the token for one request (``path`` without the query string)."""
-        ts, nonce = str(int(self._clock())), secrets.token_hex(12)
-        return {HEADER: f"{SCHEME} {ts} {nonce} {self._request_mac(method, path, ts, nonce)}"}
+        return request_header(self._request_key, method, path, self._clock)
 
     def check(self, method: str, path: str, value: str | None) -> tuple[int, str, str] | None:
         """None when ``value`` proves the token for this request, else (status, reason, message)."""
