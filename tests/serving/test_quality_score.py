@@ -44,14 +44,17 @@ def serve_args(token_file: str, *flags: str) -> argparse.Namespace:
 
 
 class Counting:
-    """Counts the engine's forward passes that score (wraps the real runner's ``score``)."""
+    """Counts the engine's forward passes that score (wraps the real runner's ``score``) and the
+    user sequences running at each (the probe must run in a gap)."""
 
     def __init__(self, engine) -> None:
         self.calls = 0
+        self.running_at: list[int] = []
         inner = engine.runner.score
 
         def score(*args, **kw):
             self.calls += 1
+            self.running_at.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
             return inner(*args, **kw)
 
         engine.runner.score = score
@@ -268,3 +271,54 @@ def test_the_continuous_probe_exports_gauges_and_reports(servers) -> None:
     back = AgentReport.from_status(AgentReport(quality=report).to_status())
     assert back.quality is not None and back.quality.top1 == pytest.approx(result.top1, abs=1e-4)
     assert AgentReport.from_status({"pool": "decode"}).quality is None  # an older agent: absent
+
+
+def test_the_score_waits_for_a_gap_behind_user_requests(servers) -> None:
+    """A score posted while a user request decodes runs its forward pass only once no user
+    sequence is running or waiting (the request is far shorter than the 10 s gap wait)."""
+    import threading
+
+    url, _, counter, _ = servers["ref"]
+    body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}
+    body |= {"stream": True, "ignore_eos": True}
+    started, done = threading.Event(), threading.Event()
+
+    def user() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+        done.set()
+
+    t = threading.Thread(target=user)
+    t.start()
+    assert started.wait(60)
+    n = counter.calls
+    assert not done.is_set()
+    r = post(url, {"texts": [{"token_ids": servers["offline"]["ids"][:32]}], "max_new_tokens": 0})
+    t.join(120)
+    assert r.status_code == 200 and done.is_set()
+    assert counter.calls == n + 1 and counter.running_at[-1] == 0
+
+
+@pytest.fixture(scope="module")
+def decode_worker(make_engine, tmp_path_factory):
+    from pagoda.node_agent.cli.serve import build_app
+    from pagoda.node_agent.serving.launch import free_port
+
+    token_file = tmp_path_factory.mktemp("dw") / "token"
+    token_file.write_text(TOKEN)
+    a = serve_args(str(token_file), "--role", "decode", "--kv-port", str(free_port()))
+    server = LiveServer(build_app(a, engine=make_engine(role="decode", **ENGINE))).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def test_a_decode_worker_scores_through_its_own_phase(decode_worker) -> None:
+    assert post(decode_worker, {}, auth=None).status_code == 401
+    r = post(decode_worker, {"texts": [{"text": PROBE_TEXT}], "prompts": PROMPTS[:1], "max_new_tokens": 4})
+    assert r.status_code == 200, r.text
+    resp = ScoreResponse.from_json(r.json())
+    assert resp.formats["role"] == "decode" and resp.formats["scored_phase"] == "decode"
+    assert len(resp.texts[0].top) == len(resp.texts[0].token_ids) - 1 and len(resp.greedy[0]) == 4
