@@ -58,6 +58,7 @@ GAP_WAIT_S = 10.0
 GAP_POLL_S = 0.02
 PROBE_SALT = "pagoda-quality-probe"  # the probe's own prefix-cache tenant
 RETRY_AFTER_S = 5
+ROWS = 256  # positions per float64 log-softmax (bounded memory for a 4096-token text)
 
 
 class ScoreBusy(RuntimeError):
@@ -74,17 +75,21 @@ def teacher_force(
     engine: LLMEngine, ids: list[int], targets: list[list[int]] | None, top_k: int, phase: str
 ) -> ScoredText:
     """On the engine thread: ``ids`` through the phase's weights and paged KV; per position p the
-    top-k of the distribution predicting token p + 1, and the logprobs of ``targets[p]``."""
+    top-k of the distribution predicting token p + 1, and the logprobs of ``targets[p]``. The
+    float64 log-softmax runs ``ROWS`` positions at a time, so its memory stays bounded."""
     logits = engine.score(ids, phase=phase)[:-1]  # the last position predicts past the text
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    entries, _ = gather(lp, torch.tensor(ids[1:]), [top_k] * lp.shape[0])
-    top = [[(t, float(v)) for t, v in e.top] for e in entries]
-    picked = None
-    if targets is not None:
-        width = max(len(t) for t in targets)
-        index = torch.tensor([t + [t[0]] * (width - len(t)) for t in targets])
-        got = lp.gather(1, index).tolist()
-        picked = [row[: len(t)] for row, t in zip(got, targets, strict=True)]
+    top: list[list[tuple[int, float]]] = []
+    picked: list[list[float]] | None = None if targets is None else []
+    for lo in range(0, logits.shape[0], ROWS):
+        lp = torch.log_softmax(logits[lo : lo + ROWS].double(), dim=-1)
+        entries, _ = gather(lp, torch.tensor(ids[lo + 1 : lo + 1 + lp.shape[0]]), [top_k] * lp.shape[0])
+        top += [[(t, float(v)) for t, v in e.top] for e in entries]
+        if targets is not None and picked is not None:
+            rows = targets[lo : lo + lp.shape[0]]
+            width = max(len(t) for t in rows)
+            index = torch.tensor([t + [t[0]] * (width - len(t)) for t in rows], device=lp.device)
+            got = lp.gather(1, index).tolist()
+            picked += [row[: len(t)] for row, t in zip(got, rows, strict=True)]
     return ScoredText(list(ids), top, picked)
 
 
