@@ -164,6 +164,63 @@ class WeightReport:
         return {**{part: self.parts.get(part, 0) for part in WEIGHT_PARTS}, "byFormat": dict(self.by_format)}
 
 
+def _fraction(value: Any) -> float:
+    """A finite float in [0, 1]; 0.0 otherwise."""
+    v = _rate(value)
+    return min(v, 1.0)
+
+
+@dataclass
+class QualityReport:
+    """The last continuous quality probe (serving/worker/quality_loop.py) against the pool's
+    reference: the ``pagoda.quality_probe.Comparison`` figures, its wall time, the probes run and
+    failed since the agent started and when the last one ended. Absent (None in ``AgentReport``)
+    from an agent that probes nothing or predates it."""
+
+    mean_kl: float = 0.0
+    top1: float = 0.0
+    greedy_prefix: float = 0.0
+    greedy_identical: float = 0.0
+    positions: int = 0
+    prompts: int = 0
+    probe_seconds: float = 0.0
+    probes: int = 0
+    failures: int = 0
+    last_probe_time: dt.datetime | None = None
+
+    @classmethod
+    def from_status(cls, raw: Any) -> QualityReport:
+        raw = _mapping(raw)
+        return cls(
+            mean_kl=_rate(raw.get("meanKL")),
+            top1=_fraction(raw.get("top1")),
+            greedy_prefix=_fraction(raw.get("greedyPrefix")),
+            greedy_identical=_fraction(raw.get("greedyIdentical")),
+            positions=_count(raw.get("positions")),
+            prompts=_count(raw.get("prompts")),
+            probe_seconds=_rate(raw.get("probeSeconds")),
+            probes=_count(raw.get("probes")),
+            failures=_count(raw.get("failures")),
+            last_probe_time=parse_time(raw.get("lastProbeTime")),
+        )
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "meanKL": round(self.mean_kl, 6),
+            "top1": round(self.top1, 4),
+            "greedyPrefix": round(self.greedy_prefix, 4),
+            "greedyIdentical": round(self.greedy_identical, 4),
+            "positions": self.positions,
+            "prompts": self.prompts,
+            "probeSeconds": round(self.probe_seconds, 3),
+            "probes": self.probes,
+            "failures": self.failures,
+        }
+        if self.last_probe_time is not None:
+            out["lastProbeTime"] = format_time(self.last_probe_time)
+        return out
+
+
 @dataclass
 class AgentReport:
     """One agent's report. ``stale`` is the operator's mark on the report; agents leave it None."""
@@ -184,6 +241,7 @@ class AgentReport:
     weights: WeightReport = field(default_factory=WeightReport)
     last_report_time: dt.datetime | None = None
     stale: bool | None = None
+    quality: QualityReport | None = None  # the last continuous quality probe, when the pool runs them
 
     def to_status(self) -> dict[str, Any]:
         """The camelCase JSON of ``status.agents.<pod>`` (no ``stale``: that key is the operator's)."""
@@ -206,6 +264,8 @@ class AgentReport:
             out["weights"] = self.weights.to_status()
         if self.last_report_time is not None:
             out["lastReportTime"] = format_time(self.last_report_time)
+        if self.quality is not None:
+            out["quality"] = self.quality.to_status()
         return out
 
     @classmethod
@@ -230,6 +290,9 @@ class AgentReport:
             weights=WeightReport.from_status(raw.get("weights")),
             last_report_time=parse_time(raw.get("lastReportTime")),
             stale=stale if isinstance(stale, bool) else None,
+            quality=QualityReport.from_status(raw["quality"])
+            if isinstance(raw.get("quality"), Mapping)
+            else None,
         )
 
 

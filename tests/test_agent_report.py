@@ -222,3 +222,23 @@ def test_the_pod_annotation_round_trips_and_bad_ones_read_as_none() -> None:
     for bad in (None, "", "not json", "[1, 2]", "3", 7, "{" + " " * MAX_REPORT_BYTES + "}"):
         assert from_annotation(bad) is None, bad
     assert from_annotation('{"pool": "decode", "kvCapacityTokens": "many"}').kv_capacity_tokens == 0
+
+
+def test_the_quality_field_is_optional_and_reads_defensively() -> None:
+    import datetime as dt
+
+    from pagoda.agent_report import AgentReport, QualityReport
+
+    assert "quality" not in AgentReport().to_status()  # agents that probe nothing leave it out
+    assert AgentReport.from_status({"pool": "decode"}).quality is None
+    when = dt.datetime(2026, 12, 2, 13, 0, tzinfo=dt.UTC)
+    q = QualityReport(0.0123456789, 0.95, 0.7, 0.5, 351, 6, 4.2, 3, 1, when)
+    wire = AgentReport(pool="decode", quality=q).to_status()["quality"]
+    assert wire["meanKL"] == 0.012346 and wire["lastProbeTime"] == "2026-12-02T13:00:00Z"
+    back = AgentReport.from_status({"quality": wire}).quality
+    assert back is not None and (back.positions, back.probes, back.failures) == (351, 3, 1)
+    assert back.last_probe_time == when
+    bad = AgentReport.from_status(
+        {"quality": {"meanKL": "x", "top1": 7, "greedyPrefix": -1, "probes": True, "lastProbeTime": 5}}
+    ).quality
+    assert bad == QualityReport(top1=1.0)

@@ -40,6 +40,7 @@ from pagoda.agent_report import (
     AgentReport,
     IntegrityReport,
     PhaseFormats,
+    QualityReport,
     to_annotation,
 )
 from pagoda.node_agent.serving.api.metrics import EngineSnapshot
@@ -171,9 +172,14 @@ def _data_file(b64: str) -> str:
 
 
 def build_report(
-    cfg: ReporterConfig, snap: EngineSnapshot, tokens_per_s: float, when: dt.datetime
+    cfg: ReporterConfig,
+    snap: EngineSnapshot,
+    tokens_per_s: float,
+    when: dt.datetime,
+    quality: QualityReport | None = None,
 ) -> AgentReport:
-    """This pod's report from an engine snapshot (counters cumulative since the engine started)."""
+    """This pod's report from an engine snapshot (counters cumulative since the engine started) and
+    the last continuous quality probe's figures (None when the pool runs none)."""
     return AgentReport(
         pool=cfg.pool,
         node=cfg.node,
@@ -190,6 +196,7 @@ def build_report(
         # No ``weights`` split: Prometheus scrapes it (pagoda_weight_part_bytes and
         # pagoda_weight_format_bytes); the report keeps the total the status sums.
         last_report_time=when.replace(microsecond=0),
+        quality=quality,
     )
 
 
@@ -197,10 +204,15 @@ class AgentReporter:
     """An asyncio task that sends the report every ``interval_s`` (failures are logged and retried)."""
 
     def __init__(
-        self, cfg: ReporterConfig, snapshot: Callable[[], EngineSnapshot], auth: KubeAuth | None = None
+        self,
+        cfg: ReporterConfig,
+        snapshot: Callable[[], EngineSnapshot],
+        auth: KubeAuth | None = None,
+        quality: Callable[[], QualityReport | None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.snapshot = snapshot
+        self.quality = quality  # the continuous probe's last figures (quality_loop.py), when on
         self.auth = auth
         self.sent = 0
         self.failures = 0
@@ -235,7 +247,8 @@ class AgentReporter:
         """Write this pod's report; unless ``force``, only when its figures changed or the
         heartbeat is due. Returns whether it wrote."""
         snap = self.snapshot()
-        report = build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC))
+        quality = self.quality() if self.quality is not None else None
+        report = build_report(self.cfg, snap, self._rate(snap), dt.datetime.now(dt.UTC), quality)
         figures = {k: v for k, v in report.to_status().items() if k != "lastReportTime"}
         now = time.monotonic()
         if not force and self._last is not None:

@@ -98,6 +98,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="integrity drills and tests only: allow injecting KV faults (never for production)",
     )
+    p.add_argument(
+        "--fault-corrupt-layer",
+        type=int,
+        default=None,
+        metavar="N",
+        help="quality drill (needs --enable-fault-injection): scale layer N's output projections "
+        "(o_proj, down_proj; their quantization scales when stored quantized) by --fault-corrupt-scale at load",
+    )
+    p.add_argument(
+        "--fault-corrupt-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the factor of --fault-corrupt-layer (default 1.5)",
+    )
     p.add_argument("--kernels", default=None, help="force a kernel backend: reference, cpu or triton")
     p.add_argument(
         "--decode-lm-head",
@@ -218,6 +233,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         int4_group_size=getattr(a, "int4_group_size", None),
         enable_prefix_caching=not a.no_prefix_caching,
         fault_injection=getattr(a, "enable_fault_injection", False),
+        corrupt_layer=getattr(a, "fault_corrupt_layer", None),
+        corrupt_scale=1.5 if getattr(a, "fault_corrupt_scale", None) is None else a.fault_corrupt_scale,
         kernel_backend=a.kernels,
         decode_lm_head=getattr(a, "decode_lm_head", "auto"),
         compile=getattr(a, "compile", False),

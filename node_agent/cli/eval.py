@@ -1,4 +1,5 @@
-"""``pagoda eval``: quality of decode weight/KV formats against the float32 reference."""
+"""``pagoda eval``: quality of decode weight/KV formats against the float32 reference (offline), or of
+one live server against another (``--remote URL --reference URL``: cli/eval_remote.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 from pagoda.node_agent.bench.common import write_result
 from pagoda.node_agent.bench.evaluate import DEFAULT_FORMATS, EVAL_PROMPTS, bench_eval, plot_eval
 from pagoda.node_agent.cli.engine_args import add_engine_args, engine_config_from_args
+from pagoda.node_agent.cli.eval_remote import add_remote_args
 from pagoda.node_agent.engine.config import KV_SCALE_GRANULARITIES, PhaseFormats
 
 
@@ -42,6 +44,10 @@ def parse_baseline(text: str) -> str:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
+    if getattr(a, "remote", None):
+        from pagoda.node_agent.cli.eval_remote import cmd_eval_remote
+
+        return cmd_eval_remote(a)
     if a.tools:
         return cmd_eval_tools(a)
     entries = a.formats
@@ -130,4 +136,5 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-text-tokens", type=int, default=None, help="score only this many text tokens")
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is steadier when shared)")
     e.add_argument("--json", default=None, help="write results here (and a PNG bar chart beside it)")
+    add_remote_args(e)
     e.set_defaults(func=cmd_eval, eval_parser=e)

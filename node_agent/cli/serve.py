@@ -177,6 +177,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="decode worker: KV handoffs received at once (more: busy)",
     )
     p.add_argument(
+        "--quality-reference",
+        default=None,
+        metavar="FILE",
+        help="continuous quality probes: the reference's score of the probe set (a ScoreResponse JSON, "
+        "as the operator mounts it); with it the pool probes every --quality-probe-interval seconds",
+    )
+    p.add_argument(
+        "--quality-probe-interval",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="seconds between continuous quality probes (default 600; 0: off)",
+    )
+    p.add_argument(
+        "--quality-probe-set",
+        default=None,
+        metavar="FILE",
+        help="the probe set's probes.json (default: the built-in set); its prompts must be the reference's",
+    )
+    p.add_argument(
         "--force-fault-injection",
         action="store_true",
         help="allow --enable-fault-injection's drill endpoint on a non-loopback bind (drills only)",
@@ -368,7 +388,8 @@ def build_app(a: argparse.Namespace, engine=None):
     settings.max_prompt_bytes = aeng.max_prompt_bytes
     settings.on_startup.append(_async(aeng.start))
     settings.on_shutdown.append(_async(aeng.stop))
-    _add_reporter(a, settings, aeng)
+    quality = _add_quality(a, settings, aeng, metrics, internal or drill)
+    _add_reporter(a, settings, aeng, quality.report if quality is not None else None)
     if drill is not None:
         from pagoda.node_agent.serving.worker.fault_drill import fault_routes
 
@@ -380,7 +401,9 @@ def build_app(a: argparse.Namespace, engine=None):
         from pagoda.node_agent.serving.api.api_server import create_app
         from pagoda.node_agent.serving.worker.local_backend import LocalBackend
 
-        return create_app(LocalBackend(aeng, chat_format), settings)
+        app = create_app(LocalBackend(aeng, chat_format), settings)
+        app.state.quality = quality
+        return app
     from pagoda.node_agent.serving.worker.disagg_worker import DisaggWorker
 
     worker = DisaggWorker(
@@ -401,7 +424,9 @@ def build_app(a: argparse.Namespace, engine=None):
     settings.extra_routes.append(worker.routes)
     settings.on_startup.append(worker.start)
     settings.on_shutdown.append(worker.stop)
-    return create_app(None, settings)
+    app = create_app(None, settings)
+    app.state.quality = quality  # the continuous probe (None when off)
+    return app
 
 
 def drill_auth(a: argparse.Namespace, internal):
@@ -437,13 +462,41 @@ def _async(fn: Callable[[], object]):
     return hook
 
 
-def _add_reporter(a: argparse.Namespace, settings, aeng) -> None:
+def _add_quality(a: argparse.Namespace, settings, aeng, metrics, internal):
+    """``POST /internal/score`` (with the internal token: always on roles prefill and decode, on
+    role both when a token is set) and the continuous probe loop (``--quality-reference``)."""
+    from pagoda.node_agent.serving.worker.score import Scorer, score_routes
+
+    scorer = Scorer(aeng)
+    if internal is None:
+        from pagoda.node_agent.serving.api.internal_auth import InternalAuth, load_token
+
+        token = load_token(a.internal_token_file)
+        internal = InternalAuth(token) if token else None
+    if internal is not None:
+        settings.extra_routes.append(score_routes(scorer, internal, metrics))
+    if not getattr(a, "quality_reference", None):
+        return None
+    from pagoda.node_agent.serving.worker.quality_loop import QualityLoop, load_reference, probe_set_for
+
+    if not a.quality_probe_interval >= 0:
+        raise ValueError(f"--quality-probe-interval must be >= 0 seconds, got {a.quality_probe_interval}")
+    ref = load_reference(a.quality_reference)
+    loop = QualityLoop(
+        scorer, ref, probe_set_for(ref, a.quality_probe_set), metrics, a.quality_probe_interval
+    )
+    settings.on_startup.append(loop.start)
+    settings.on_shutdown.append(loop.stop)
+    return loop
+
+
+def _add_reporter(a: argparse.Namespace, settings, aeng, quality=None) -> None:
     from pagoda.node_agent.agent.reporter import AgentReporter, ReporterConfig
 
     cfg = ReporterConfig.from_env(pool=pool_label(a.role), interval=a.report_interval)
     if cfg is None:
         return
-    reporter = AgentReporter(cfg, aeng.snapshot)
+    reporter = AgentReporter(cfg, aeng.snapshot, quality=quality)
     settings.on_startup.append(reporter.start)
     settings.on_shutdown.append(reporter.stop)
 

@@ -17,6 +17,7 @@ import torch
 
 from pagoda.node_agent.engine.admission import Admission
 from pagoda.node_agent.engine.config import EngineConfig
+from pagoda.node_agent.engine.corrupt_layer import corrupt_layer
 from pagoda.node_agent.engine.kv_setup import PoolBuilder
 from pagoda.node_agent.engine.memory import check_weights_fit, estimate_weight_bytes, phase_weight_formats
 from pagoda.node_agent.engine.model_runner import ModelRunner, build_model, context_limit
@@ -68,6 +69,8 @@ def build_parts(
     device, dtype = config.torch_device(), config.torch_dtype()
     replica = make_replica(config, worker_main)  # tensor parallelism: rank 0 drives the others
     loaded = loaded or load_model(config.model)
+    if config.corrupt_layer is not None:  # the quality drill (fault injection only)
+        loaded = corrupt_layer(loaded, config.corrupt_layer, config.corrupt_scale)
     mc = loaded.config
     tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file, config.trust_remote_code)
     if config.chat_template is not None:

@@ -180,6 +180,9 @@ class EngineConfig:
     formats: PhaseFormats = field(default_factory=PhaseFormats)
     integrity: str = "enforce"
     fault_injection: bool = False  # drills and tests only: exposes engine.faults (never via the API)
+    # the quality drill (engine/corrupt_layer.py): this layer's output projections scaled at load
+    corrupt_layer: int | None = None
+    corrupt_scale: float = 1.0
     int4_group_size: int | None = None  # None: 128 where it divides K, else 64, else 32
     decode_lm_head: str = "auto"  # the decode phase's LM head (DECODE_LM_HEADS; int4 in groups of 32)
     compile: bool = False  # torch.compile the decode glue at load (models/step_ops.py)
@@ -225,6 +228,12 @@ class EngineConfig:
                 f"kv scale granularity must be one of {', '.join(KV_SCALE_GRANULARITIES)}, "
                 f"got {self.kv_scale_granularity!r}"
             )
+        if self.corrupt_layer is not None and not self.fault_injection:
+            raise ConfigError("corrupting a layer is a drill: it needs fault injection enabled")
+        if self.corrupt_layer is not None and (
+            self.corrupt_layer < 0 or not 0 <= self.corrupt_scale < float("inf")
+        ):
+            raise ConfigError("the corrupted layer must be >= 0 and its scale a finite number >= 0")
         if self.int4_group_size is not None and self.int4_group_size not in (32, 64, 128, 256):
             raise ConfigError(f"int4 group size must be 32, 64, 128 or 256, got {self.int4_group_size}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

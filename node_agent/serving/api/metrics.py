@@ -205,6 +205,34 @@ class ServeMetrics:
         for kind in ("json_object", "json_schema"):
             for result in ("valid", "invalid", "incomplete"):
                 self.structured.labels(pool, kind, result)
+        # the continuous quality probe (serving/worker/quality_loop.py): absent until a first probe
+        self.quality_kl = Gauge(
+            "pagoda_quality_kl",
+            "Last quality probe: mean KL(reference || this pool) over the reference's top-k plus the rest",
+            ["pool"],
+            registry=r,
+        )
+        self.quality_top1 = Gauge(
+            "pagoda_quality_top1",
+            "Last quality probe: fraction of positions whose most likely token is the reference's",
+            ["pool"],
+            registry=r,
+        )
+        self.quality_greedy_prefix = Gauge(
+            "pagoda_quality_greedy_prefix",
+            "Last quality probe: mean fraction of the reference's greedy tokens reproduced before a divergence",
+            ["pool"],
+            registry=r,
+        )
+        self.quality_probe_seconds = Gauge(
+            "pagoda_quality_probe_seconds", "Wall time of the last quality probe", ["pool"], registry=r
+        )
+        self.quality_probes = Counter(
+            "pagoda_quality_probes",
+            "Quality probes run, by result (ok: scored and compared; failed: could not score)",
+            ["pool", "result"],
+            registry=r,
+        )
         self.worker_ready = _WorkerGauge(pool)
         r.register(self.worker_ready)
         if snapshot is not None:
