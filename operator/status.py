@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,29 +210,22 @@ def _number(value: Any) -> float | None:
 
 def quality_of(pods: list[Obj], fresh: Reports) -> Obj:
     """``status.quality.pools``: per pool the last continuous-probe figures of its fresh agents
-    (the report's optional ``quality``: kl, top1, greedyPrefix, at): the worst KL, the lowest
-    agreements, the latest time and how many agents had figures. Malformed entries are skipped."""
+    (``AgentReport.quality``, absent until a probe has succeeded): the worst KL, the lowest
+    agreements, the latest probe time, how many agents had figures and their failed probes."""
     out: Obj = {}
     for pod in pods:
-        meta = pod.get("metadata") or {}
-        report = fresh.get(meta.get("name", ""))
-        if report is None or report.pool not in POOLS:
+        report = fresh.get((pod.get("metadata") or {}).get("name", ""))
+        q = report.quality if report is not None and report.pool in POOLS else None
+        if q is None or q.probes == 0:
             continue
-        try:
-            raw = json.loads((meta.get("annotations") or {}).get(REPORT_ANNOTATION) or "{}")
-        except (TypeError, ValueError):
-            continue
-        q = raw.get("quality") if isinstance(raw, dict) else None
-        if not isinstance(q, dict) or _number(q.get("kl")) is None:
-            continue
-        at = parse_time(q.get("at"))
-        entry = out.setdefault(report.pool, {"agents": 0})
+        entry = out.setdefault(report.pool, {"agents": 0, "failures": 0})
         entry["agents"] += 1
-        entry["kl"] = round(max(entry.get("kl", 0.0), _number(q["kl"]) or 0.0), 6)
-        for key in ("top1", "greedyPrefix"):
-            value = _number(q.get(key))
-            if value is not None:
-                entry[key] = round(min(entry.get(key, 1.0), value), 4)
-        if at is not None and (entry.get("at") is None or format_time(at) > entry["at"]):
-            entry["at"] = format_time(at)
+        entry["failures"] += q.failures
+        entry["kl"] = round(max(entry.get("kl", 0.0), q.mean_kl), 6)
+        entry["top1"] = round(min(entry.get("top1", 1.0), q.top1), 4)
+        entry["greedyPrefix"] = round(min(entry.get("greedyPrefix", 1.0), q.greedy_prefix), 4)
+        if q.last_probe_time is not None:
+            at = format_time(q.last_probe_time)
+            if entry.get("at") is None or at > entry["at"]:
+                entry["at"] = at
     return out

@@ -477,14 +477,11 @@ def _add_quality(a: argparse.Namespace, settings, aeng, metrics, internal):
         settings.extra_routes.append(score_routes(scorer, internal, metrics))
     if not getattr(a, "quality_reference", None):
         return None
-    from pagoda.node_agent.serving.worker.quality_loop import QualityLoop, load_reference, probe_set_for
+    from pagoda.node_agent.serving.worker.quality_loop import QualityLoop
 
     if not a.quality_probe_interval >= 0:
         raise ValueError(f"--quality-probe-interval must be >= 0 seconds, got {a.quality_probe_interval}")
-    ref = load_reference(a.quality_reference)
-    loop = QualityLoop(
-        scorer, ref, probe_set_for(ref, a.quality_probe_set), metrics, a.quality_probe_interval
-    )
+    loop = QualityLoop(scorer, a.quality_reference, metrics, a.quality_probe_interval, a.quality_probe_set)
     settings.on_startup.append(loop.start)
     settings.on_shutdown.append(loop.stop)
     return loop

@@ -19,6 +19,7 @@ from pagoda.operator.spec import parse
         {"routing": {"prefixCaching": False, "sessionAffinity": False}, "integrity": {"mode": "audit"}},
         {"routing": {"trustTenantHeader": True}, "auth": {"apiKeysSecret": {"name": "keys"}}},
         {"model": {"source": "pvc://models/kimi-k2", "trustRemoteCode": True}},
+        {"rollout": {"qualityGate": {"probeInterval": 900}}},
     ],
 )
 def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
@@ -32,6 +33,15 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     # the engines (never the router, which loads no tokenizer) get the spec's trust decision
     assert ns.trust_remote_code == (role != "router" and s.trust_remote_code)
     assert ns.drain_timeout == 30
+    # continuous quality probes: the engines get the reference the gate records, and the interval
+    probing = (
+        role != "router"
+        and s.rollout.quality_gate is not None
+        and s.rollout.quality_gate.probe_interval_s > 0
+    )
+    assert ns.quality_reference == (children.QUALITY_REFERENCE_FILE if probing else None)
+    if probing:
+        assert ns.quality_probe_interval == 900
     if role == "router":
         # Each pod of a pool through its headless Service; no formats (the router reads none).
         assert ns.prefill_dns == "m-prefill-pods.ns.svc.cluster.local:8000"

@@ -234,23 +234,27 @@ def test_out_of_range_gate_settings_are_refused(gate: dict) -> None:
 
 
 def test_continuous_figures_per_pool_come_from_fresh_reports_only() -> None:
-    from pagoda.agent_report import REPORT_ANNOTATION, AgentReport
+    from pagoda.agent_report import AgentReport
 
-    def pod(name: str, quality: object) -> dict:
-        ann = json.dumps({"pool": "decode", "quality": quality})
-        return {"metadata": {"name": name, "annotations": {REPORT_ANNOTATION: ann}}}
+    def report(quality: object) -> dict:
+        return {"pool": "decode", "quality": quality}
 
-    pods = [
-        pod("a", {"kl": 0.004, "top1": 0.97, "greedyPrefix": 0.9, "at": "2026-12-02T12:00:00Z"}),
-        pod("b", {"kl": 0.011, "top1": 0.99, "greedyPrefix": 0.8, "at": "2026-12-02T12:05:00Z"}),
-        pod("c", {"kl": "high"}),  # malformed: skipped
-        pod("d", {"kl": 9.0}),  # not fresh: skipped
-        pod("e", None),
-    ]
-    fresh = {n: AgentReport(pool="decode") for n in "abce"}
+    raw = {
+        "a": report({"meanKL": 0.004, "top1": 0.97, "greedyPrefix": 0.9, "probes": 3, "failures": 1,
+                     "lastProbeTime": "2026-12-02T12:00:00Z"}),
+        "b": report({"meanKL": 0.011, "top1": 0.99, "greedyPrefix": 0.8, "probes": 1,
+                     "lastProbeTime": "2026-12-02T12:05:00Z"}),
+        "c": report({"meanKL": 0.5, "probes": 0, "failures": 2}),  # no probe succeeded yet: skipped
+        "d": report({"meanKL": 9.0, "probes": 1}),  # not fresh: skipped
+        "e": report(None),  # probes nothing
+        "f": report("high"),  # malformed: no quality
+    }  # fmt: skip
+    pods = [{"metadata": {"name": n}} for n in raw]
+    fresh = {n: AgentReport.from_status(r) for n, r in raw.items() if n != "d"}
     assert quality_of(pods, fresh) == {
-        "decode": {"agents": 2, "kl": 0.011, "top1": 0.97, "greedyPrefix": 0.8, "at": "2026-12-02T12:05:00Z"}
-    }
+        "decode": {"agents": 2, "failures": 1, "kl": 0.011, "top1": 0.97, "greedyPrefix": 0.8,
+                   "at": "2026-12-02T12:05:00Z"}
+    }  # fmt: skip
 
 
 def test_a_gate_task_stopping_its_own_gate_is_not_cancelled() -> None:

@@ -68,20 +68,28 @@ def probe_set_for(reference: ScoreResponse, probe_file: str | None = None) -> Pr
 
 
 class QualityLoop:
-    """Scores the probe set every ``interval_s`` and keeps the last figures."""
+    """Scores the probe set every ``interval_s`` and keeps the last figures.
+
+    The reference is read from its file, and read again whenever the file changes (the operator
+    mounts it from a ConfigMap that it writes only when a rollout's gate passes, so a new pair's
+    pods can start before it exists, and it is replaced at each later rollout). A reference that
+    is there at start but unusable refuses the server; one that turns unusable later is logged and
+    the last good one stays. With no reference yet, the loop waits and counts no failure."""
 
     def __init__(
         self,
         scorer: Scorer,
-        reference: ScoreResponse,
-        probes: ProbeSet,
+        reference_path: str,
         metrics: ServeMetrics,
         interval_s: float = DEFAULT_INTERVAL_S,
+        probe_file: str | None = None,
     ) -> None:
-        self.scorer, self.reference, self.probes = scorer, reference, probes
+        self.scorer, self.reference_path, self.probe_file = scorer, reference_path, probe_file
         self.metrics, self.interval_s = metrics, interval_s
-        self.body = probes.request(reference)
-        scorer.parse(self.body)  # a reference this pod cannot be asked about fails at start
+        self.reference: ScoreResponse | None = None
+        self.probes: ProbeSet | None = None
+        self.body: dict | None = None
+        self._stamp: tuple[int, int] | None = None
         self.last: QualityReport | None = None
         self.probes_run = 0
         self.failures = 0
@@ -89,6 +97,40 @@ class QualityLoop:
         self.event_loop: asyncio.AbstractEventLoop | None = None  # the server's, once started
         for result in ("ok", "failed"):
             metrics.quality_probes.labels(metrics.pool, result)
+        if self._file_stamp() is not None:
+            self._load()  # an unusable reference at start refuses the server
+        else:
+            log.info("quality probe: no reference at %s yet; probing starts when it appears", reference_path)
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        try:
+            st = Path(self.reference_path).stat()  # follows the ConfigMap volume's symlinks
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def _load(self) -> None:
+        stamp = self._file_stamp()
+        reference = load_reference(self.reference_path)
+        probes = probe_set_for(reference, self.probe_file)
+        body = probes.request(reference)
+        try:
+            self.scorer.parse(body)  # a reference this pod cannot be asked about is unusable
+        except ProbeError as exc:
+            raise QualityConfigError(f"--quality-reference {self.reference_path}: {exc}") from exc
+        self.reference, self.probes, self.body, self._stamp = reference, probes, body, stamp
+
+    def refresh(self) -> bool:
+        """Read the reference again if its file changed; whether there is a usable one."""
+        stamp = self._file_stamp()
+        if stamp is not None and stamp != self._stamp:
+            try:
+                self._load()
+                log.info("quality probe: reference loaded from %s", self.reference_path)
+            except QualityConfigError as exc:
+                self._stamp = stamp  # not again until the file changes
+                log.warning("quality probe: keeping the last reference: %s", exc)
+        return self.reference is not None
 
     async def start(self) -> None:
         self.event_loop = asyncio.get_running_loop()
@@ -109,6 +151,8 @@ class QualityLoop:
     async def probe_once(self) -> Comparison:
         """Score the probe set now (waiting behind a score in progress), export and keep the figures."""
         pool = self.metrics.pool
+        if not self.refresh():
+            raise RuntimeError(f"no quality reference at {self.reference_path} yet")
         t0 = time.perf_counter()
         try:
             candidate = await self.scorer.score(self.scorer.parse(self.body), wait=True)
@@ -151,6 +195,9 @@ class QualityLoop:
     async def _loop(self) -> None:
         await asyncio.sleep(min(FIRST_PROBE_S, self.interval_s))
         while True:
+            if not self.refresh():
+                await asyncio.sleep(min(FIRST_PROBE_S, self.interval_s))  # waiting for the reference
+                continue
             try:
                 r = await self.probe_once()
                 log.info("quality probe: KL %.5f top-1 %.4f greedy %.3f", r.mean_kl, r.top1, r.greedy_prefix)
