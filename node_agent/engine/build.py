@@ -61,7 +61,8 @@ def build_parts(
     """Every part of an engine; ``worker_main`` runs each tensor-parallel rank this process starts."""
     device, dtype = config.torch_device(), config.torch_dtype()
     replica = make_replica(config, worker_main)  # tensor parallelism: rank 0 drives the others
-    loaded = loaded or load_model(config.model)
+    # each rank lists its own experts and reads only its slices (models/lazy_tensor.py)
+    loaded = loaded or load_model(config.model, part=(replica.rank, replica.world), lazy=True)
     mc = loaded.config
     tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file)
     if config.chat_template is not None:

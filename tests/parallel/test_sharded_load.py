@@ -1,0 +1,99 @@
+"""Sharded, streaming loading: what a rank reads with the loader's deferred tensors equals the slice
+of the whole checkpoint read at once (every tensor, every rank of two, in the default and the
+reference formats), and a rank reads nothing of another rank's experts nor more of any tensor than
+its plan's slice. The greedy tokens of two ranks against one rank (both now loading this way) are
+tests/parallel/test_tp_families.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.node_agent.models.lazy_tensor import LazyTensor
+from pagoda.node_agent.models.loader import load_model
+from pagoda.node_agent.models.parallel import ColumnShard, make_plan, mlp_units, rank_weights, shard_weights
+
+FAMILIES = ["llama", "qwen3_moe", "glm4_moe", "deepseek_v3"]
+FORMATS = {"default": {"fp8", "int4"}, "reference": {"fp32"}}
+
+
+def _same(a: object, b: object, name: str) -> None:
+    if isinstance(a, ColumnShard):
+        assert isinstance(b, ColumnShard), name
+        assert a.full_in == b.full_in, name
+        _same(a.weight, b.weight, name)
+        if a.row_amax is None:
+            assert b.row_amax is None, name
+        else:
+            assert torch.equal(a.row_amax, b.row_amax), name
+        return
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), name
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rank_reads_equal_the_whole_checkpoints_slice(tiny_model_dir, family, fmt):
+    path = str(tiny_model_dir(family))
+    whole = load_model(path)  # every tensor read at once, float32
+    formats = FORMATS[fmt]
+    for rank in range(2):
+        units = mlp_units(whole.weights, whole.config, formats, None)
+        want = shard_weights(whole.weights, whole.config, make_plan(whole.config, rank, 2, *units), formats)
+        lazy = load_model(path, part=(rank, 2), lazy=True)
+        assert all(isinstance(w, LazyTensor) for w in lazy.weights.values())
+        _, got = rank_weights(lazy.weights, lazy.config, rank, 2, formats, None)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            _same(got[name], want[name], name)
+
+
+def test_one_rank_reads_the_whole_checkpoint_once(tiny_model_dir, monkeypatch):
+    path = str(tiny_model_dir("qwen3_moe"))
+    reads = _record_reads(monkeypatch)
+    lazy = load_model(path, part=(0, 1), lazy=True)
+    _, got = rank_weights(lazy.weights, lazy.config, 0, 1, {"fp32"}, None)
+    keys = sorted(k for k, _ in reads)
+    whole = load_model(path)
+    assert keys == sorted(whole.weights)  # each tensor read once
+    for name, w in whole.weights.items():
+        _same(got[name], w, name)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch, family):
+    path = str(tiny_model_dir(family))
+    reads = _record_reads(monkeypatch)
+    lazy = load_model(path, part=(1, 2), lazy=True)
+    cfg = lazy.config
+    experts = cfg.moe.num_experts
+    mine = range(experts // 2, experts)
+    listed = {int(n.split(".mlp.experts.")[1].split(".")[0]) for n in lazy.weights if ".mlp.experts." in n}
+    assert listed == set(mine)  # another rank's experts are not even listed
+    plan, got = rank_weights(lazy.weights, cfg, 1, 2, {"fp32"}, None)
+    assert plan.experts == (mine.start, mine.stop)
+    read_experts = {int(k.split(".mlp.experts.")[1].split(".")[0]) for k, _ in reads if ".mlp.experts." in k}
+    assert read_experts == set(mine)
+    bounds = dict(reads)
+    v0, v1 = plan.vocab
+    assert bounds["model.embed_tokens.weight"] == ((v0, v1), (0, cfg.hidden_size))
+    rows = [b[0] for k, b in reads if k.endswith(".mlp.gate_proj.weight")]
+    assert rows and all(r == plan.intermediate for r in rows)  # the dense MLP's rows of this rank
+    assert plan.intermediate[1] - plan.intermediate[0] == cfg.intermediate_size // 2
+    whole = sum(t.numel() for t in load_model(path).weights.values())
+    held = sum((w.weight if isinstance(w, ColumnShard) else w).numel() for w in got.values())
+    assert held < 0.6 * whole  # about half of the checkpoint, the replicated norms and routers beside
+
+
+def _record_reads(monkeypatch) -> list[tuple[str, tuple]]:
+    """Every (key, bounds) a LazyTensor reads from now on."""
+    reads: list[tuple[str, tuple]] = []
+    real = LazyTensor.read
+
+    def read(self, handle):
+        reads.append((self.key, self.bounds))
+        return real(self, handle)
+
+    monkeypatch.setattr(LazyTensor, "read", read)
+    return reads
