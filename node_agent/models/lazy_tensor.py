@@ -10,6 +10,7 @@ the largest transient is one tensor slice in its stored dtype beside its float32
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -79,6 +80,10 @@ class LazyTensor:
 
     def contiguous(self) -> LazyTensor:
         return self
+
+    def float(self) -> LazyTensor:
+        """The same slice, to be read as float32."""
+        return dataclasses.replace(self, to_float=True)
 
     def __getitem__(self, key) -> LazyTensor:
         """A narrower deferred slice: basic slices (step 1) over the leading dimensions."""

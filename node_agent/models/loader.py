@@ -351,11 +351,16 @@ def _load_hf_dir(source: str, path: Path, part: tuple[int, int] | None, lazy: bo
     listed = _expert_filter(cfg, part)
     stored = set(manifest.get("tensors", {})) if manifest else set()
     weights: dict[str, torch.Tensor] = _list_tensors(files, listed, ckpt_quant is not None, stored)
-    if not lazy or ckpt_quant is not None or manifest is not None:
-        try:
-            weights = materialize(weights)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from exc
+    if not lazy or manifest is not None:
+        eager = weights
+    else:  # a prequantized checkpoint's quantized layers are converted whole; the rest stays deferred
+        eager = {
+            k: w for k, w in weights.items() if ckpt_quant is not None and k in _quantized_layers(weights)
+        }
+    try:
+        weights = {**weights, **materialize(eager)}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
     if ckpt_quant is not None:  # a released FP8 / INT4 checkpoint: see checkpoint_formats
@@ -390,6 +395,24 @@ def _list_tensors(
         except Exception as exc:
             raise ModelLoadError(f"cannot read {f}: {exc}") from exc
     return weights
+
+
+def _quantized_layers(weights: dict[str, LazyTensor]) -> set[str]:
+    """The tensors of a prequantized checkpoint's quantized layers: every tensor of a layer that
+    stores more than a weight and a bias (scales, packed values, zero points, group indices) or an
+    integer or FP8 one. The checkpoint's converter reads those whole."""
+    layers: dict[str, list[str]] = {}
+    for k in weights:
+        layers.setdefault(k.rsplit(".", 1)[0], []).append(k)
+    out: set[str] = set()
+    for names in layers.values():
+        quant = any(n.rsplit(".", 1)[-1] not in ("weight", "bias") for n in names) or any(
+            not weights[n].stored_dtype.is_floating_point or weights[n].stored_dtype.itemsize == 1
+            for n in names
+        )
+        if quant:
+            out.update(names)
+    return out
 
 
 def _expert_filter(cfg: ModelConfig, part: tuple[int, int] | None) -> Callable[[str], bool]:

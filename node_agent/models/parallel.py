@@ -364,7 +364,8 @@ def rank_weights(
     """The shard plan of ``rank`` and its weights, read: deferred tensors (the loader's lazy ones)
     narrowed to this rank's slices, then read one shard file at a time. The same path at one rank
     (the plan keeps everything) and at many."""
-    plan = make_plan(cfg, rank, world, *mlp_units(weights, cfg, formats, preferred))
+    units = mlp_units(weights, cfg, formats, preferred) if world > 1 else (1, 1)  # one rank cuts nothing
+    plan = make_plan(cfg, rank, world, *units)
     return plan, materialize(shard_weights(weights, cfg, plan, formats))
 
 

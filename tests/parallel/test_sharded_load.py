@@ -1,14 +1,19 @@
 """Sharded, streaming loading: what a rank reads with the loader's deferred tensors equals the slice
 of the whole checkpoint read at once (every tensor, every rank of two, in the default and the
-reference formats), and a rank reads nothing of another rank's experts nor more of any tensor than
+reference formats; a block-scaled FP8 checkpoint too), and a rank reads nothing of another rank's experts nor more of any tensor than
 its plan's slice. The greedy tokens of two ranks against one rank (both now loading this way) are
 tests/parallel/test_tp_families.py's."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from pagoda.kernels.fp8_block import Fp8BlockWeight
 from pagoda.node_agent.models.lazy_tensor import LazyTensor
 from pagoda.node_agent.models.loader import load_model
 from pagoda.node_agent.models.parallel import ColumnShard, make_plan, mlp_units, rank_weights, shard_weights
@@ -26,6 +31,10 @@ def _same(a: object, b: object, name: str) -> None:
             assert b.row_amax is None, name
         else:
             assert torch.equal(a.row_amax, b.row_amax), name
+        return
+    if isinstance(a, Fp8BlockWeight):
+        assert isinstance(b, Fp8BlockWeight) and a.block == b.block, name
+        assert torch.equal(a.dequantize(), b.dequantize()), name
         return
     assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), name
     assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -97,3 +106,59 @@ def _record_reads(monkeypatch) -> list[tuple[str, tuple]]:
 
     monkeypatch.setattr(LazyTensor, "read", read)
     return reads
+
+
+@pytest.fixture(scope="module")
+def fp8_block_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny DeepSeek-V3 with its projections stored as e4m3 blocks of 32 (``weight_scale_inv``)."""
+    from tests.formats.test_fp8_block_checkpoint import BLOCK, encode_blocks
+
+    src = tiny_model_dir("deepseek_v3")
+    path = tmp_path_factory.mktemp("tp_deepseek_fp8")
+    stored = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            if name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+                stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = encode_blocks(
+                    t.float()
+                )
+            else:
+                stored[name] = t
+    save_file(stored, str(path / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [BLOCK, BLOCK],
+        "activation_scheme": "dynamic",
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_fp8_block_checkpoint_ranks_read_their_experts_and_dense_slices(fp8_block_dir, monkeypatch):
+    """A prequantized checkpoint: its FP8 layers convert whole (then sliced at block boundaries), its
+    dense tensors (embeddings, LM head, norms, routers) read as slices, its other rank's experts never."""
+    path = str(fp8_block_dir)
+    whole = load_model(path)
+    formats = {"fp8", "int4"}
+    for rank in range(2):
+        units = mlp_units(whole.weights, whole.config, formats, None)
+        want = shard_weights(whole.weights, whole.config, make_plan(whole.config, rank, 2, *units), formats)
+        reads = _record_reads(monkeypatch)
+        lazy = load_model(path, part=(rank, 2), lazy=True)
+        assert isinstance(lazy.weights["model.embed_tokens.weight"], LazyTensor)
+        assert isinstance(lazy.weights["model.layers.1.mlp.shared_experts.down_proj.weight"], Fp8BlockWeight)
+        plan, got = rank_weights(lazy.weights, lazy.config, rank, 2, formats, None)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            _same(got[name], want[name], name)
+        bounds = dict(reads)
+        assert bounds["lm_head.weight"] == (plan.vocab, (0, lazy.config.hidden_size))
+        e0, e1 = plan.experts
+        read_experts = {
+            int(k.split(".mlp.experts.")[1].split(".")[0]) for k, _ in reads if ".mlp.experts." in k
+        }
+        assert read_experts == set(range(e0, e1))
