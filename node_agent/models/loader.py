@@ -353,10 +353,10 @@ def _load_hf_dir(source: str, path: Path, part: tuple[int, int] | None, lazy: bo
     weights: dict[str, torch.Tensor] = _list_tensors(files, listed, ckpt_quant is not None, stored)
     if not lazy or manifest is not None:
         eager = weights
-    else:  # a prequantized checkpoint's quantized layers are converted whole; the rest stays deferred
-        eager = {
-            k: w for k, w in weights.items() if ckpt_quant is not None and k in _quantized_layers(weights)
-        }
+    elif ckpt_quant is not None:  # its quantized layers are converted whole; the rest stays deferred
+        eager = {k: weights[k] for k in _quantized_layers(weights)}
+    else:
+        eager = {}
     try:
         weights = {**weights, **materialize(eager)}
     except Exception as exc:
