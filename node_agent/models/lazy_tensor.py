@@ -105,6 +105,8 @@ class LazyTensor:
 
     def read(self, handle) -> torch.Tensor:
         """This slice from an open ``safe_open`` handle of ``file``, converted."""
+        if self.bounds and self.numel() == 0:  # e.g. a last rank's vocab rows past the end
+            return torch.empty(tuple(self.shape), dtype=self.dtype)
         if not self.bounds:
             t = handle.get_tensor(self.key)
         elif all(b == (0, d) for b, d in zip(self.bounds, self.full_shape, strict=True)):

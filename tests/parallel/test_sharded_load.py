@@ -162,3 +162,23 @@ def test_fp8_block_checkpoint_ranks_read_their_experts_and_dense_slices(fp8_bloc
             int(k.split(".mlp.experts.")[1].split(".")[0]) for k, _ in reads if ".mlp.experts." in k
         }
         assert read_experts == set(range(e0, e1))
+
+
+def test_deferred_slices_compose_and_read_what_they_name(tmp_path):
+    """Slices of slices over any leading dimensions read exactly that part, converted to float32;
+    an empty range reads nothing; a step or an integer index is refused."""
+    from safetensors import safe_open
+
+    t = torch.randn(6, 4, 3).to(torch.bfloat16)
+    f = str(tmp_path / "a.safetensors")
+    save_file({"x": t}, f)
+    lt = LazyTensor.whole(f, "x", [6, 4, 3], "BF16", to_float=True)
+    assert lt[2:5][:, 1:3].shape == (3, 2, 3) and lt.dtype == torch.float32
+    with safe_open(f, framework="pt") as h:
+        assert torch.equal(lt[2:5][:, 1:3].read(h), t[2:5, 1:3].float())
+        assert torch.equal(lt[:, :, 1:].read(h), t[:, :, 1:].float())
+        assert lt[6:6].read(h).shape == (0, 4, 3)
+    with pytest.raises(ValueError, match="step 1"):
+        lt[::2]
+    with pytest.raises(TypeError, match="slices only"):
+        lt[0]
