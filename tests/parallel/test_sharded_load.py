@@ -182,3 +182,28 @@ def test_deferred_slices_compose_and_read_what_they_name(tmp_path):
         lt[::2]
     with pytest.raises(TypeError, match="slices only"):
         lt[0]
+
+
+def test_a_multi_shard_checkpoint_reads_file_by_file_with_a_line_per_shard(tmp_path, caplog):
+    """bench load's writer, tiny: several shard files; each rank of two equals the whole read's
+    slice, and the loader logs one progress line per shard file it reads."""
+    import logging
+
+    from pagoda.node_agent.bench.load import checkpoint_config, write_checkpoint
+
+    cfg = checkpoint_config(hidden=64, experts=4, vocab=256, layers=2)
+    info = write_checkpoint(tmp_path, cfg, shard_bytes=32 << 10)
+    assert info["files"] >= 3
+    whole = load_model(str(tmp_path))
+    for rank in range(2):
+        caplog.clear()
+        want = shard_weights(whole.weights, whole.config, make_plan(whole.config, rank, 2), {"fp32"})
+        with caplog.at_level(logging.INFO, logger="pagoda.loader"):
+            lazy = load_model(str(tmp_path), part=(rank, 2), lazy=True)
+            _, got = rank_weights(lazy.weights, lazy.config, rank, 2, {"fp32"}, None)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            _same(got[name], want[name], name)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shard ")]
+        assert len(lines) == info["files"]  # every shard holds some of each rank's share here
+        assert all(f"/{info['files']} model-" in line and "MiB held" in line for line in lines)
