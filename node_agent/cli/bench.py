@@ -1,4 +1,4 @@
-"""``pagoda bench decode|kv|weights|integrity|guided|serve|kernels``: flags in, a result JSON and a PNG out."""
+"""``pagoda bench decode|kv|weights|integrity|guided|serve|kernels|load``: flags in, a result JSON and a PNG out."""
 
 from __future__ import annotations
 
@@ -177,6 +177,26 @@ def cmd_bench_kernels(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_load(a: argparse.Namespace) -> int:
+    from pagoda.node_agent.bench.load import bench_load, plot_load
+
+    result = bench_load(
+        size_mib=a.size_mib,
+        shard_mib=a.shard_mib,
+        hidden=a.hidden,
+        experts=a.experts,
+        vocab=a.vocab,
+        tp=tuple(a.tp),
+        repeats=a.repeats,
+        threads=a.threads,
+        workdir=a.workdir,
+    )
+    write_result(a.json, result, lambda p: plot_load(p, result), command_line(a))
+    for row in result["rows"]:
+        print(f"{row['mode']} TP{row['tp']}: {row['load_s']} s, max peak/share {row['max_ratio_to_share']}")
+    return 0
+
+
 # benches that time pure decode steps of a full batch: the time budget (which sizes prefill chunks by
 # the clock, so the batch fills in a varying number of steps) is off unless --itl-target-ms asks
 STEP_TIMING = {"itl_target_ms": "off"}
@@ -308,6 +328,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--json", default=None, help=JSON_HELP)
     s.set_defaults(func=cmd_bench_serve, bench_parser=s)
+
+    ld = bs.add_parser(
+        "load", help="sharded loading: load time and peak RSS per rank at TP 1, 2, 4 (CPU ranks)"
+    )
+    ld.add_argument("--size-mib", type=positive_int, default=1100, help="BF16 checkpoint size to write")
+    ld.add_argument("--shard-mib", type=positive_int, default=256, help="safetensors shard size")
+    ld.add_argument("--hidden", type=positive_int, default=1024, help="hidden size (experts: a quarter)")
+    ld.add_argument("--experts", type=positive_int, default=64, help="routed experts per layer")
+    ld.add_argument("--vocab", type=positive_int, default=32000)
+    ld.add_argument("--tp", type=parse_int_list, default=[1, 2, 4], help="tensor-parallel degrees")
+    ld.add_argument("--workdir", default=None, help="where the checkpoint is written (default: temp)")
+    add_method_args(ld, threads_default=1, repeats=1)
+    ld.add_argument("--json", default=None, help=JSON_HELP)
+    ld.set_defaults(func=cmd_bench_load, bench_parser=ld)
 
     g = bs.add_parser(
         "kernels", help="kernel micro-benchmarks: INT4/FP8 vs dense GEMM, FP8 vs BF16 KV attention"

@@ -68,7 +68,8 @@ def build_parts(
         _check_source_trust(config)
     device, dtype = config.torch_device(), config.torch_dtype()
     replica = make_replica(config, worker_main)  # tensor parallelism: rank 0 drives the others
-    loaded = loaded or load_model(config.model)
+    # each rank lists its own experts and reads only its slices (models/lazy_tensor.py)
+    loaded = loaded or load_model(config.model, part=(replica.rank, replica.world), lazy=True)
     if config.corrupt_layer is not None:  # the quality drill (fault injection only)
         loaded = corrupt_layer(loaded, config.corrupt_layer, config.corrupt_scale)
     mc = loaded.config

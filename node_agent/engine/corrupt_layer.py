@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from pagoda.node_agent.models.lazy_tensor import LazyTensor, materialize
 from pagoda.node_agent.models.loader import LoadedModel
 
 log = logging.getLogger("pagoda.engine")
@@ -58,7 +59,10 @@ def corrupt_layer(loaded: LoadedModel, layer: int, factor: float) -> LoadedModel
     for suffix in TARGETS:
         name = f"model.layers.{layer}.{suffix}"
         if name in weights:
-            weights[name] = _scaled(weights[name], factor, name)
+            value = weights[name]
+            if isinstance(value, LazyTensor):  # a sharded load defers reads: read this one now
+                value = materialize({name: value})[name]
+            weights[name] = _scaled(value, factor, name)
             hit.append(name)
     if not hit:
         raise CorruptionError(f"layer {layer} has none of {', '.join(TARGETS)} (architecture not covered)")

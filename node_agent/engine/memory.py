@@ -16,6 +16,7 @@ from pagoda.node_agent.engine.config import ConfigError, EngineConfig
 from pagoda.node_agent.kv import formats as kv_formats
 from pagoda.node_agent.models.config import ModelLoadError
 from pagoda.node_agent.models.layers import PHASES, as_stored, prequantized_format
+from pagoda.node_agent.models.lazy_tensor import LazyTensor
 from pagoda.vocabulary import PHASE_DEFAULTS
 
 log = logging.getLogger("pagoda.engine")
@@ -122,7 +123,7 @@ def estimate_weight_bytes(
             add("bf16", linear_bytes(w, "bf16", dtype))
         elif name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias"):
             add("fp32", _shape(w)[0] * 4)  # routers are float32
-        elif prequantized_format(w) is None and not isinstance(w, torch.Tensor):
+        elif prequantized_format(w) is None and not isinstance(w, torch.Tensor | LazyTensor):
             add(dense, int(getattr(w, "nbytes", 0)))  # an object of unknown layout: as stored
         elif name.endswith(".bias") and name.removesuffix(".bias") + ".weight" in weights:
             for fmt in held:  # a linear layer's bias: compute dtype beside a dense weight, else float32

@@ -22,9 +22,7 @@ from pagoda.node_agent.models.loader import LoadedModel
 from pagoda.node_agent.models.parallel import (
     TensorParallel,
     local_config,
-    make_plan,
-    mlp_units,
-    shard_weights,
+    rank_weights,
 )
 from pagoda.node_agent.models.weight_bytes import phase_format_bytes
 from pagoda.node_agent.params import SamplingParams
@@ -40,12 +38,12 @@ def build_model(
     formats = {"prefill": config.formats.prefill_weights, "decode": config.formats.decode_weights}
     if config.role in formats:
         formats = dict.fromkeys(formats, formats[config.role])
-    cfg, weights, tp = loaded.config, loaded.weights, None
+    cfg, tp = loaded.config, None
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
+    plan, weights = rank_weights(
+        loaded.weights, cfg, rank, world, set(formats.values()), config.int4_group_size
+    )
     if group is not None:
-        fmts = set(formats.values())
-        units = mlp_units(weights, cfg, fmts, config.int4_group_size)
-        plan = make_plan(cfg, group.rank, group.world, *units)
-        weights = shard_weights(weights, cfg, plan, fmts)
         cfg = local_config(cfg, plan)
         tp = TensorParallel(plan, loaded.config.vocab_size, group.data)
     return _build(config, cfg, weights, formats, dtype, device, tp)

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,9 @@ from pagoda.node_agent.models.gguf_names import (
     moe_config_from_gguf,
     moe_tensor_to_hf,
 )
+from pagoda.node_agent.models.lazy_tensor import LazyTensor, materialize
 from pagoda.node_agent.models.moe import expert_weight_names
+from pagoda.node_agent.models.parallel import split_range
 from pagoda.node_agent.models.quant_format import MANIFEST, assemble_quantized
 
 log = logging.getLogger("pagoda.loader")
@@ -55,7 +58,7 @@ class LoadedModel:
 
     source: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # HF names, float32 tensors
+    weights: dict[str, torch.Tensor]  # HF names, float32 tensors (or LazyTensor: load_model's lazy)
     tokenizer_dir: str
     gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
     manifest: dict | None = None  # formats manifest of a `pagoda quantize` checkpoint
@@ -100,12 +103,19 @@ def resolve_source(source: str) -> tuple[str, Path]:
     return "hf-dir", path
 
 
-def load_model(source: str) -> LoadedModel:
-    """Load config, float32 weights (HF names) and tokenizer location from a source."""
+def load_model(source: str, part: tuple[int, int] | None = None, lazy: bool = False) -> LoadedModel:
+    """Load config, float32 weights (HF names) and tokenizer location from a source.
+
+    ``part``: (rank, world) of a tensor-parallel rank, whose Hugging Face directory load lists only
+    its own routed experts (expert parallelism; the others are never read). ``lazy``: the weights of
+    a directory stored dense stay LazyTensors, for the shard plan to narrow and
+    ``lazy_tensor.materialize`` to read (the engine's path, at every degree). A prequantized
+    directory (FP8 blocks, INT4 groups, a `pagoda quantize` output) reads its listed tensors whole
+    and converts them; a GGUF file is read whole."""
     kind, path = resolve_source(source)
     if kind == "gguf":
         return _load_gguf(source, path)
-    return _load_hf_dir(source, path)
+    return _load_hf_dir(source, path, part, lazy)
 
 
 # ---------------------------------------------------------------- GGUF
@@ -323,9 +333,7 @@ def _gguf_to_hf_name(name: str) -> str | None:
 # ---------------------------------------------------------------- HF directory
 
 
-def _load_hf_dir(source: str, path: Path) -> LoadedModel:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(source: str, path: Path, part: tuple[int, int] | None, lazy: bool) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ModelLoadError(f"{path} has no config.json (expected a Hugging Face model directory)")
@@ -340,27 +348,86 @@ def _load_hf_dir(source: str, path: Path) -> LoadedModel:
         raise ModelLoadError(f"{path} has no *.safetensors weight files")
     manifest_file = path / MANIFEST
     manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else None
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            part = load_file(str(f))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot read {f}: {exc}") from exc
-        for k, v in part.items():
-            keep = ckpt_quant is not None or (manifest and k in manifest.get("tensors", {}))
-            weights[k] = v if keep else v.float()
+    listed = _expert_filter(cfg, part)
+    stored = set(manifest.get("tensors", {})) if manifest else set()
+    weights: dict[str, torch.Tensor] = _list_tensors(files, listed, ckpt_quant is not None, stored)
+    if not lazy or manifest is not None:
+        eager = weights
+    elif ckpt_quant is not None:  # its quantized layers are converted whole; the rest stays deferred
+        eager = {k: weights[k] for k in _quantized_layers(weights)}
+    else:
+        eager = {}
+    try:
+        weights = {**weights, **materialize(eager)}
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from exc
     if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
         raise ModelLoadError(f"{path} has no tokenizer.json")
     if ckpt_quant is not None:  # a released FP8 / INT4 checkpoint: see checkpoint_formats
         weights = convert_checkpoint(weights, ckpt_quant)
     if manifest is None:
-        _check_weights(cfg, weights, str(path))
+        _check_weights(cfg, weights, str(path), listed)
     else:  # a `pagoda quantize` checkpoint: packed tensors -> Int4Weight / Fp8Weight objects
         try:
             weights = assemble_quantized(weights, manifest)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from exc
     return LoadedModel(source, cfg, weights, str(path), None, manifest)
+
+
+def _list_tensors(
+    files: list[Path], listed: Callable[[str], bool], prequantized: bool, stored: set[str]
+) -> dict[str, LazyTensor]:
+    """A LazyTensor for every tensor ``listed`` keeps, from the shard files' headers (no data read).
+    Tensors of a prequantized checkpoint and a manifest's packed ones keep their stored dtype."""
+    from safetensors import safe_open
+
+    weights: dict[str, LazyTensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    if not listed(k):
+                        continue
+                    sl = h.get_slice(k)
+                    keep = prequantized or k in stored
+                    weights[k] = LazyTensor.whole(str(f), k, sl.get_shape(), sl.get_dtype(), not keep)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read {f}: {exc}") from exc
+    return weights
+
+
+def _quantized_layers(weights: dict[str, LazyTensor]) -> set[str]:
+    """The tensors of a prequantized checkpoint's quantized layers: every tensor of a layer that
+    stores more than a weight and a bias (scales, packed values, zero points, group indices) or an
+    integer or FP8 one. The checkpoint's converter reads those whole."""
+    layers: dict[str, list[str]] = {}
+    for k in weights:
+        layers.setdefault(k.rsplit(".", 1)[0], []).append(k)
+    out: set[str] = set()
+    for names in layers.values():
+        quant = any(n.rsplit(".", 1)[-1] not in ("weight", "bias") for n in names) or any(
+            not weights[n].stored_dtype.is_floating_point or weights[n].stored_dtype.itemsize == 1
+            for n in names
+        )
+        if quant:
+            out.update(names)
+    return out
+
+
+def _expert_filter(cfg: ModelConfig, part: tuple[int, int] | None) -> Callable[[str], bool]:
+    """Whether a rank lists a checkpoint name: every name but another rank's routed expert
+    (``...mlp.experts.{e}.``) under expert parallelism."""
+    if part is None or cfg.moe is None or part[1] == 1:
+        return lambda name: True
+    e0, e1 = split_range(cfg.moe.num_experts, part[1])[part[0]]
+
+    def listed(name: str) -> bool:
+        _, sep, tail = name.partition(".mlp.experts.")
+        first = tail.split(".", 1)[0]
+        return not sep or not first.isdigit() or e0 <= int(first) < e1
+
+    return listed
 
 
 def _is_moe_family(arch: str) -> bool:
@@ -388,9 +455,14 @@ def required_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> list
     return need
 
 
-def _check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], where: str) -> None:
+def _check_weights(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    where: str,
+    listed: Callable[[str], bool] | None = None,
+) -> None:
     need = required_weights(cfg, weights)
-    missing = [n for n in need if n not in weights]
+    missing = [n for n in need if n not in weights and (listed is None or listed(n))]
     if missing:
         raise ModelLoadError(f"{where}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     emb = weights["model.embed_tokens.weight"]

@@ -1,8 +1,9 @@
 """Tensor and expert parallelism of one model replica: which slice of every weight a rank holds
 (the shard plan), the sliced weights themselves, and the collectives the layers call.
 
-Every rank loads the checkpoint and keeps only its slice, before any weight is converted or packed
-for a phase (PhaseLinear does that per rank):
+Every rank reads only its slice of the checkpoint (the loader's deferred tensors, narrowed here and
+read by lazy_tensor.materialize; other ranks' routed experts are never listed), before any weight is
+converted or packed for a phase (PhaseLinear does that per rank):
 
 - attention: contiguous KV-head groups per rank with their query heads (q/k/v rows, o_proj
   columns); with fewer KV heads than ranks a KV head is replicated and its query heads split. The
@@ -35,6 +36,7 @@ from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.fp8_block import Fp8BlockWeight
 from pagoda.kernels.int4 import Int4Weight, pick_group_size
 from pagoda.node_agent.models.config import ModelConfig, ModelLoadError
+from pagoda.node_agent.models.lazy_tensor import LazyTensor, materialize, read_now
 
 Range = tuple[int, int]
 
@@ -178,16 +180,16 @@ class ColumnShard:
 
 
 def _rows(w) -> int:
-    return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
+    return w.shape[0] if isinstance(w, torch.Tensor | LazyTensor) else w.out_features
 
 
 def _cols(w) -> int:
-    return w.shape[1] if isinstance(w, torch.Tensor) else w.in_features
+    return w.shape[1] if isinstance(w, torch.Tensor | LazyTensor) else w.in_features
 
 
 def take_rows(w, start: int, end: int):
-    """Rows [start, end) of a dense, INT4 or FP8 weight (or a bias)."""
-    if isinstance(w, torch.Tensor):
+    """Rows [start, end) of a dense (or deferred), INT4 or FP8 weight (or a bias)."""
+    if isinstance(w, torch.Tensor | LazyTensor):
         return w[start:end].contiguous()
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[start:end].contiguous(), w.scale[start:end].contiguous())
@@ -210,8 +212,8 @@ def take_rows(w, start: int, end: int):
 
 
 def take_cols(w, start: int, end: int):
-    """Columns [start, end) of a dense, INT4 (whole groups only) or FP8 weight."""
-    if isinstance(w, torch.Tensor):
+    """Columns [start, end) of a dense (or deferred), INT4 (whole groups only) or FP8 weight."""
+    if isinstance(w, torch.Tensor | LazyTensor):
         return w[:, start:end].contiguous()
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[:, start:end].contiguous(), w.scale)
@@ -250,7 +252,10 @@ def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> Co
     """Columns [start, end) of ``w`` that remember the whole row (``name``: the weight's, for errors)."""
     amax = None
     if need_amax and not isinstance(w, Fp8Weight | Fp8BlockWeight):
-        dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+        if isinstance(w, LazyTensor):  # the whole row's amax: one tensor read and dropped
+            dense = read_now(w)
+        else:
+            dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         amax = dense.detach().float().abs().amax(dim=1)
     try:
         part = take_cols(w, start, end)
@@ -328,7 +333,9 @@ def _mlp_slice(name: str, last: str, w, start: int, end: int, need_amax: bool, p
 
 def _row_bias(bias: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
     """The bias of a layer whose outputs the ranks sum: added once, by rank 0."""
-    return bias if plan.rank == 0 else torch.zeros_like(bias)
+    if plan.rank == 0:
+        return bias
+    return torch.zeros(tuple(bias.shape), dtype=bias.dtype)
 
 
 def _expert_slice(name: str, w, experts: Range) -> tuple[object | None, str]:
@@ -341,9 +348,25 @@ def _expert_slice(name: str, w, experts: Range) -> tuple[object | None, str]:
         if not e0 <= e < e1:
             return None, name
         return w, f"{head}.mlp.experts.{e - e0}.{rest}"
-    if isinstance(w, torch.Tensor) and w.dim() == 3:  # fused [E, ...] stacks
+    if isinstance(w, torch.Tensor | LazyTensor) and w.dim() == 3:  # fused [E, ...] stacks
         return w[e0:e1].contiguous(), name
     return w, name
+
+
+def rank_weights(
+    weights: dict[str, object],
+    cfg: ModelConfig,
+    rank: int,
+    world: int,
+    formats: set[str],
+    preferred: int | None,
+) -> tuple[ShardPlan, dict[str, object]]:
+    """The shard plan of ``rank`` and its weights, read: deferred tensors (the loader's lazy ones)
+    narrowed to this rank's slices, then read one shard file at a time. The same path at one rank
+    (the plan keeps everything) and at many."""
+    units = mlp_units(weights, cfg, formats, preferred) if world > 1 else (1, 1)  # one rank cuts nothing
+    plan = make_plan(cfg, rank, world, *units)
+    return plan, materialize(shard_weights(weights, cfg, plan, formats))
 
 
 def mlp_units(weights: dict[str, object], cfg: ModelConfig, formats: set[str], preferred: int | None):
