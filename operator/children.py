@@ -182,6 +182,8 @@ def agent_args(
     ]
     if not spec.routing.prefix_caching:
         args.append("--no-prefix-caching")
+    if pool.max_queue_time_s is not None:
+        args += ["--max-queue-time", f"{pool.max_queue_time_s:g}"]
     if role == "decode":
         args += ["--kv-port", str(KV_PORT)]
     if pool.multi_node:  # the rendezvous host and this pod's index come from the LWS environment
