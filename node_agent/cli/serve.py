@@ -475,29 +475,14 @@ def is_follower(a: argparse.Namespace) -> bool:
 
 def serve_follower(a: argparse.Namespace) -> int:
     """A worker host of a multi-host replica: its ranks follow rank 0; ``GET /health`` on the http
-    port answers 200 while they do (503 before joining). Exits with the ranks' outcome."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    port answers 200 while they do (503 before joining), under the same connection limits as every
+    server (node_agent/serving/api/health_server.py). Exits with the ranks' outcome."""
     from pagoda.node_agent.engine.llm_engine import LLMEngine
+    from pagoda.node_agent.serving.api.health_server import HealthServer
 
     state = {"joined": False}
-
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            ok = self.path.split("?")[0] == "/health" and state["joined"]
-            code = 200 if ok else 503 if self.path.split("?")[0] == "/health" else 404
-            body = b'{"status": "ok"}' if ok else b'{"status": "not ready"}'
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer((a.host, a.port), Health)
-    threading.Thread(target=httpd.serve_forever, name="pagoda-health", daemon=True).start()
+    limits = http_limits_from_args(a)
+    health = HealthServer(a.host, a.port, lambda: state["joined"], limits).start()
     cfg = engine_config_from_args(a)
     cfg.role = a.role
     engine = LLMEngine(cfg)
@@ -505,7 +490,7 @@ def serve_follower(a: argparse.Namespace) -> int:
     print(f"pagoda serve: tensor-parallel rank {engine.replica.rank} following rank 0", flush=True)
     code = engine.follow()
     state["joined"] = False
-    httpd.shutdown()
+    health.stop()
     return code
 
 
