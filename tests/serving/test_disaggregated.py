@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -235,6 +238,125 @@ def test_the_agent_api_through_the_router(disagg) -> None:
     from .agent_checks import check_agent_api
 
     check_agent_api(disagg["router"])
+
+
+HOSTILE = 64  # idle and as many slow connections, on each port
+# The stated bound (docs/serving.md, connection limits): with them open a legitimate request's
+# latency stays within twice its latency on a quiet stack plus one second.
+LATENCY_FACTOR, LATENCY_SLACK_S = 2.0, 1.0
+
+
+class Hostile:
+    """Keeps HOSTILE idle and HOSTILE slow connections open on each of ``ports``: idle ones send
+    nothing, slow ones the start of a request (HTTP head or KV frame) and then a byte every 0.2 s;
+    one the server closes (head or MAC timeout, eviction) is opened again at once."""
+
+    def __init__(self, ports: dict[int, bytes]) -> None:
+        self.ports = ports  # port -> the first bytes a slow connection sends
+        self.socks: dict[tuple[int, str, int], socket.socket | None] = {
+            (port, kind, i): None for port in ports for kind in ("idle", "slow") for i in range(HOSTILE)
+        }
+        self.reopened = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, key: tuple[int, str, int]) -> None:
+        port, kind, _ = key
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.setblocking(False)
+            if kind == "slow":
+                s.send(self.ports[port])
+            self.socks[key] = s
+        except OSError:
+            self.socks[key] = None
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, s in self.socks.items():
+                if s is None:
+                    self._open(key)
+                    continue
+                try:
+                    readable, _, _ = select.select([s], [], [], 0)
+                    if readable and not s.recv(4096):
+                        raise ConnectionError("closed by the server")
+                    if key[1] == "slow":
+                        s.send(b"x")
+                except (OSError, ConnectionError):
+                    s.close()
+                    self.reopened += 1
+                    self._open(key)
+            self.stop.wait(0.2)
+
+    def open_count(self) -> int:
+        return sum(s is not None for s in self.socks.values())
+
+    def __enter__(self) -> Hostile:
+        for key in self.socks:
+            self._open(key)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        for s in self.socks.values():
+            if s is not None:
+                s.close()
+
+
+def _timed_requests(url: str, stack) -> list[float]:
+    """Each prompt through the router, streamed: its text must be the offline greedy text."""
+    c = client(url)
+    took = []
+    for prompt in PROMPTS:
+        t0 = time.monotonic()
+        parts = [
+            ev.choices[0].text
+            for ev in c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            if ev.choices
+        ]
+        took.append(time.monotonic() - t0)
+        assert "".join(parts) == stack.offline[prompt], prompt
+    return took
+
+
+def test_idle_and_slow_connections_on_every_port_change_no_outcome_or_latency(disagg, stack) -> None:
+    """64 idle and 64 slow connections on the router's, both workers' HTTP ports and the decode
+    worker's KV port, kept open (reopened when the server closes them) while the same prompts run
+    through the router: the same text, each within the stated latency bound of its quiet run."""
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+
+    def kv_state() -> dict:
+        ok = InternalAuth(TOKEN).headers("GET", "/internal/state")
+        return httpx.get(disagg["decode"] + "/internal/state", headers=ok).json()
+
+    _timed_requests(disagg["router"], stack)  # warm
+    quiet = [
+        max(a, b) for a, b in zip(*(_timed_requests(disagg["router"], stack) for _ in range(2)), strict=True)
+    ]
+    kv_port = int(kv_state()["kv_address"].rpartition(":")[2])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    ports = {int(disagg[r].rpartition(":")[2]): head for r in ("router", "prefill", "decode")}
+    ports[kv_port] = b"PGKV\x02\x01"
+    with Hostile(ports) as hostile:
+        time.sleep(1.0)
+        assert hostile.open_count() >= len(ports) * HOSTILE, hostile.open_count()  # they are all in
+        loaded = [_timed_requests(disagg["router"], stack) for _ in range(2)]
+        still_open = hostile.open_count()
+        m_router = metrics(disagg["router"])
+    for run in loaded:
+        for prompt, q, t in zip(PROMPTS, quiet, run, strict=True):
+            assert t <= LATENCY_FACTOR * q + LATENCY_SLACK_S, (prompt, q, t)
+    assert still_open >= len(ports) * HOSTILE * 0.9, still_open  # held open throughout
+    assert metric_sum(m_router, "pagoda_router_worker_ready", role="decode") == 1
+    deadline = time.monotonic() + 20  # and the KV port holds nothing of them afterwards
+    while any(kv_state()["kv_receiver"].values()):
+        assert time.monotonic() < deadline, kv_state()["kv_receiver"]
+        time.sleep(0.1)
 
 
 # Kills the decode worker: keep it the module's last test.
