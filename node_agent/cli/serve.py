@@ -23,6 +23,17 @@ FATAL_FLUSH_S = 0.5  # error responses reach their clients before the process ex
 PUBLIC_CONNECTIONS_PER_CLIENT = 256
 
 
+DEFAULT_SWITCH_INTERVAL_S = 0.0005
+
+
+def apply_switch_interval(seconds: float) -> None:
+    """The process's GIL switch interval (``--gil-switch-interval``; 0 leaves Python's own)."""
+    if seconds < 0:
+        raise SystemExit(f"pagoda serve: --gil-switch-interval must be >= 0, got {seconds}")
+    if seconds > 0:
+        sys.setswitchinterval(seconds)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Serving flags (the engine flags are added by the caller)."""
     p.add_argument("--host", default="127.0.0.1")
@@ -218,6 +229,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="agent report period in seconds (default: $PAGODA_REPORT_INTERVAL_S or 10)",
     )
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--gil-switch-interval",
+        type=float,
+        default=DEFAULT_SWITCH_INTERVAL_S,
+        help="seconds a thread may hold the GIL while another waits for it (sys.setswitchinterval; "
+        "0 keeps Python's 0.005): short, so the engine thread, which takes the GIL back after each "
+        "kernel, does not wait behind the event loop parsing a flood of bodies",
+    )
 
 
 def add_http_limit_args(p: argparse.ArgumentParser) -> None:
@@ -503,6 +522,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if is_follower(a):
         return serve_follower(a)
     limits = http_limits_from_args(a)  # flag values first: fail before loading a model
+    apply_switch_interval(a.gil_switch_interval)
     app = build_app(a)
     print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
     return serve(app, app.state.drain, a.host, a.port, a.log_level, limits)

@@ -126,3 +126,24 @@ def test_a_worker_refuses_prompt_text_over_its_byte_limit_before_tokenizing(stac
         assert info.value.param == PROMPT
     assert tokenize_threads == []
     assert stack.aengine.num_inflight == 0
+
+
+def test_the_gil_switch_interval_flag_sets_the_process_interval() -> None:
+    """``--gil-switch-interval``: its default, a value, 0 (Python's own kept) and a negative refused."""
+    import sys
+
+    from pagoda.node_agent.cli.serve import DEFAULT_SWITCH_INTERVAL_S, apply_switch_interval
+
+    from .apps import serve_args
+
+    before = sys.getswitchinterval()
+    try:
+        assert serve_args().gil_switch_interval == DEFAULT_SWITCH_INTERVAL_S
+        apply_switch_interval(serve_args("--gil-switch-interval", "0.002").gil_switch_interval)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        apply_switch_interval(0)
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # unchanged
+        with pytest.raises(SystemExit, match="must be >= 0"):
+            apply_switch_interval(-1)
+    finally:
+        sys.setswitchinterval(before)
