@@ -147,3 +147,20 @@ def test_the_gil_switch_interval_flag_sets_the_process_interval() -> None:
             apply_switch_interval(-1)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_tokenizer_threads_run_below_the_engine_threads_priority(stack) -> None:
+    """A tokenizer thread's nice value is the process's plus TOKENIZE_NICE (capped at 19), so a
+    flood being tokenized yields a busy CPU to the engine thread."""
+    import os
+    import threading
+
+    from pagoda.node_agent.serving.worker.async_engine import TOKENIZE_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert stack.aengine._tokenize_pool.submit(nice).result(30) == min(19, base + TOKENIZE_NICE)
+    assert nice() == base  # this (the caller's) thread unchanged
