@@ -188,6 +188,8 @@ def agent_args(
         args.append("--no-prefix-caching")
     if spec.trust_remote_code:  # a trust decision the spec makes (model.trustRemoteCode)
         args.append("--trust-remote-code")
+    if pool.max_queue_time_s is not None:
+        args += ["--max-queue-time", f"{pool.max_queue_time_s:g}"]
     if role == "decode":
         args += ["--kv-port", str(KV_PORT)]
     if pool.multi_node:  # the rendezvous host and this pod's index come from the LWS environment

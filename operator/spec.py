@@ -82,6 +82,7 @@ class Pool:
     gpus: int = 1  # per pod: 0 is a CPU pool, else the pod's ranks (tensor_parallel / nodes_per_replica)
     nodes_per_replica: int = 1
     max_concurrency: int = 64
+    max_queue_time_s: float | None = None  # None: no queue deadline on this pool's workers
     kv_memory_fraction: float = 0.9
     resources: dict[str, Any] = field(default_factory=dict)
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -275,6 +276,10 @@ def _autoscaling(raw: dict[str, Any] | None) -> Autoscaling | None:
     )
 
 
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
     raw = raw or {}
     d = Pool(**POOL_DEFAULTS[name])
@@ -290,6 +295,7 @@ def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
         gpus=int(raw["gpus"]) if raw.get("gpus") is not None else derived,
         nodes_per_replica=nodes,
         max_concurrency=int(raw.get("maxConcurrency", d.max_concurrency)),
+        max_queue_time_s=_opt_float(raw.get("maxQueueTimeSeconds")),
         kv_memory_fraction=float(raw.get("kvMemoryFraction", d.kv_memory_fraction)),
         resources=dict(raw.get("resources") or {}),
         node_selector=dict(raw.get("nodeSelector") or {}),

@@ -10,7 +10,10 @@ and chat), one wave after the other until the stream ends. Three variants, run i
   on the tokenizer threads and refused by its token count (400): the worst a prompt inside the
   body limit can cost.
 
-It reports the streaming client's inter-token gaps (p50, p99, max) and the flood's answers.
+Each of the flood variants also runs as ``..._python_switch`` with ``--gil-switch-interval 0``
+(Python's own 5 ms GIL switch interval instead of the server's default), to show what the shorter
+interval buys. It reports the streaming client's inter-token gaps (p50, p99, max) and the flood's
+answers; ``--variants`` picks some.
 
     python -P -m pagoda.node_agent.bench.prompt_flood --json docs/bench/prompt_flood.json
 """
@@ -127,26 +130,46 @@ def run_variant(url: str, max_tokens: int, flood: int, prompt_bytes: int) -> dic
     }
 
 
+def variant_flags(name: str, prompt_bytes: int) -> list[str] | None:
+    """The server flags of a variant (None: not a variant)."""
+    base, _, switch = name.partition("_python")
+    if switch not in ("", "_switch") or base not in VARIANTS or (switch and base == "alone"):
+        return None
+    flags = ["--max-prompt-bytes", str(2 * prompt_bytes)] if base == "tokenized" else []
+    return flags + (["--gil-switch-interval", "0"] if switch else [])
+
+
+VARIANTS = ("alone", "refused_by_size", "tokenized")
+ALL_VARIANTS = (*VARIANTS, "refused_by_size_python_switch", "tokenized_python_switch")
+
+
 def bench_prompt_flood(
-    flood: int = 16, prompt_bytes: int = 1_000_000, max_tokens: int = 48, log=echo
+    flood: int = 16,
+    prompt_bytes: int = 1_000_000,
+    max_tokens: int = 48,
+    variants: tuple[str, ...] = ALL_VARIANTS,
+    log=echo,
 ) -> dict:
-    """The three variants, each against a ``pagoda serve`` process of its own."""
+    """The variants, each against a ``pagoda serve`` process of its own."""
     from pagoda.node_agent.serving import launch
     from pagoda.node_agent.serving.api.prompt_limits import default_prompt_bytes
 
     limit = default_prompt_bytes(int(ENGINE_FLAGS[ENGINE_FLAGS.index("--max-model-len") + 1]))
-    variants: dict[str, dict] = {}
-    for name in ("alone", "refused_by_size", "tokenized"):
-        extra = ["--max-prompt-bytes", str(2 * prompt_bytes)] if name == "tokenized" else []
+    out: dict[str, dict] = {}
+    for name in variants:
+        extra = variant_flags(name, prompt_bytes)
+        if extra is None:
+            raise ValueError(f"unknown variant {name!r}; known: {', '.join(ALL_VARIANTS)}")
         port = launch.free_port()
         proc = launch.start_server(["--model", MODEL, *ENGINE_FLAGS, *extra], port)
         url = f"http://127.0.0.1:{port}"
         try:
             stream_gaps(url, 4)  # warm-up
-            variants[name] = run_variant(url, max_tokens, 0 if name == "alone" else flood, prompt_bytes)
+            out[name] = run_variant(url, max_tokens, 0 if name == "alone" else flood, prompt_bytes)
+            out[name]["server_flags"] = extra
         finally:
             launch.stop([proc])
-        log(f"{name}: {variants[name]}")
+        log(f"{name}: {out[name]}")
     return {
         "bench": "prompt_flood",
         "flood": flood,
@@ -154,7 +177,7 @@ def bench_prompt_flood(
         "max_tokens": max_tokens,
         "byte_limit": limit,
         "engine_flags": ENGINE_FLAGS,
-        "variants": variants,
+        "variants": out,
     }
 
 
@@ -202,13 +225,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-bytes", type=int, default=1_000_000)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--variants", default=",".join(ALL_VARIANTS), help="comma-separated: " + ", ".join(ALL_VARIANTS)
+    )
     p.add_argument("--tokenizer-gil", action="store_true", help="only measure the tokenizer's GIL holding")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     if a.tokenizer_gil:
         print(json.dumps(tokenizer_gil(a.prompt_bytes), indent=2))
         return 0
-    result = bench_prompt_flood(a.flood, a.prompt_bytes, a.max_tokens)
+    names = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+    result = bench_prompt_flood(a.flood, a.prompt_bytes, a.max_tokens, names)
     result.update(environment("python -P -m pagoda.node_agent.bench.prompt_flood " + " ".join(argv or [])))
     if a.json:
         with open(a.json, "w") as f:

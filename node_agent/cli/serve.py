@@ -23,6 +23,17 @@ FATAL_FLUSH_S = 0.5  # error responses reach their clients before the process ex
 PUBLIC_CONNECTIONS_PER_CLIENT = 256
 
 
+DEFAULT_SWITCH_INTERVAL_S = 0.0005
+
+
+def apply_switch_interval(seconds: float) -> None:
+    """The process's GIL switch interval (``--gil-switch-interval``; 0 leaves Python's own)."""
+    if seconds < 0:
+        raise SystemExit(f"pagoda serve: --gil-switch-interval must be >= 0, got {seconds}")
+    if seconds > 0:
+        sys.setswitchinterval(seconds)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Serving flags (the engine flags are added by the caller)."""
     p.add_argument("--host", default="127.0.0.1")
@@ -238,6 +249,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="agent report period in seconds (default: $PAGODA_REPORT_INTERVAL_S or 10)",
     )
     p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--gil-switch-interval",
+        type=float,
+        default=DEFAULT_SWITCH_INTERVAL_S,
+        help="seconds a thread may hold the GIL while another waits for it (sys.setswitchinterval; "
+        "0 keeps Python's 0.005): short, so the engine thread, which takes the GIL back after each "
+        "kernel, does not wait behind the event loop parsing a flood of bodies",
+    )
 
 
 def add_http_limit_args(p: argparse.ArgumentParser) -> None:
@@ -525,29 +544,14 @@ def is_follower(a: argparse.Namespace) -> bool:
 
 def serve_follower(a: argparse.Namespace) -> int:
     """A worker host of a multi-host replica: its ranks follow rank 0; ``GET /health`` on the http
-    port answers 200 while they do (503 before joining). Exits with the ranks' outcome."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
+    port answers 200 while they do (503 before joining), under the same connection limits as every
+    server (node_agent/serving/api/health_server.py). Exits with the ranks' outcome."""
     from pagoda.node_agent.engine.llm_engine import LLMEngine
+    from pagoda.node_agent.serving.api.health_server import HealthServer
 
     state = {"joined": False}
-
-    class Health(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-            ok = self.path.split("?")[0] == "/health" and state["joined"]
-            code = 200 if ok else 503 if self.path.split("?")[0] == "/health" else 404
-            body = b'{"status": "ok"}' if ok else b'{"status": "not ready"}'
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer((a.host, a.port), Health)
-    threading.Thread(target=httpd.serve_forever, name="pagoda-health", daemon=True).start()
+    limits = http_limits_from_args(a)
+    health = HealthServer(a.host, a.port, lambda: state["joined"], limits).start()
     cfg = engine_config_from_args(a)
     cfg.role = a.role
     engine = LLMEngine(cfg)
@@ -555,7 +559,7 @@ def serve_follower(a: argparse.Namespace) -> int:
     print(f"pagoda serve: tensor-parallel rank {engine.replica.rank} following rank 0", flush=True)
     code = engine.follow()
     state["joined"] = False
-    httpd.shutdown()
+    health.stop()
     return code
 
 
@@ -568,6 +572,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if is_follower(a):
         return serve_follower(a)
     limits = http_limits_from_args(a)  # flag values first: fail before loading a model
+    apply_switch_interval(a.gil_switch_interval)
     app = build_app(a)
     print(f"pagoda serve: role {a.role} on http://{a.host}:{a.port}", flush=True)
     return serve(app, app.state.drain, a.host, a.port, a.log_level, limits)

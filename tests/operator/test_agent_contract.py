@@ -20,6 +20,7 @@ from pagoda.operator.spec import parse
         {"routing": {"trustTenantHeader": True}, "auth": {"apiKeysSecret": {"name": "keys"}}},
         {"model": {"source": "pvc://models/kimi-k2", "trustRemoteCode": True}},
         {"rollout": {"qualityGate": {"probeInterval": 900}}},
+        {"prefill": {"maxQueueTimeSeconds": 4}, "decode": {"maxQueueTimeSeconds": 2.5}},
     ],
 )
 def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
@@ -42,6 +43,8 @@ def test_operator_args_parse_as_pagoda_serve(role: str, spec: dict) -> None:
     assert ns.quality_reference == (children.QUALITY_REFERENCE_FILE if probing else None)
     if probing:
         assert ns.quality_probe_interval == 900
+    if role != "router" and s.pool(role).max_queue_time_s is not None:
+        assert ns.max_queue_time == s.pool(role).max_queue_time_s
     if role == "router":
         # Each pod of a pool through its headless Service; no formats (the router reads none).
         assert ns.prefill_dns == "m-prefill-pods.ns.svc.cluster.local:8000"

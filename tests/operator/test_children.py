@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import copy
 import ipaddress
 import re
 
+import jsonschema
 import kubernetes_validate
 import pytest
 from fake_kube import merge_patch
 from op_schema import admit, example
 
+from pagoda.node_agent.cli.serve import add_serve_args
 from pagoda.operator import apply, children, credentials
 from pagoda.operator.config import Config
 from pagoda.operator.spec import parse
@@ -205,6 +208,31 @@ def test_agent_args_follow_the_contract() -> None:
     ]
 
 
+def test_max_queue_time_is_rendered_per_pool_as_the_workers_flag() -> None:
+    """maxQueueTimeSeconds of a pool becomes that pool's --max-queue-time; absent, no deadline (no
+    flag); the router never gets it (the workers queue, the router only forwards their refusals)."""
+    plain = admit(example("m"))
+    for role in ("prefill", "decode", "router"):
+        assert "--max-queue-time" not in children.agent_args(parse(plain["spec"]), role)
+    stored = admit(example("m", prefill={"maxQueueTimeSeconds": 2.5}, decode={"maxQueueTimeSeconds": 30}))
+    spec = parse(stored["spec"])
+    for role, value in (("prefill", "2.5"), ("decode", "30")):
+        args = children.agent_args(spec, role)
+        assert args[args.index("--max-queue-time") + 1] == value, args
+    assert "--max-queue-time" not in children.agent_args(spec, "router")
+    ap = argparse.ArgumentParser()  # the flag the worker really takes, with that value
+    ap.add_argument("--model")
+    add_serve_args(ap)
+    known, _engine_flags = ap.parse_known_args(children.agent_args(spec, "prefill")[1:])
+    assert known.max_queue_time == 2.5
+
+
+@pytest.mark.parametrize("value", [0, -1, 5000])
+def test_a_max_queue_time_out_of_range_is_refused_at_admission(value: float) -> None:
+    with pytest.raises(jsonschema.ValidationError, match="maxQueueTimeSeconds"):
+        admit(example("m", decode={"maxQueueTimeSeconds": value}))
+
+
 def template(objs: dict, role: str) -> dict:
     return objs[f"Deployment/m-{role}"]["spec"]["template"]
 
@@ -223,6 +251,7 @@ ROLLS: list[tuple[dict, set[str]]] = [
     ({"rollout": {"progressDeadlineSeconds": 600}}, set()),
     ({"decode": {"rollingUpdate": {"maxSurge": 2}}}, set()),
     ({"decode": {"maxConcurrency": 128}}, {"decode"}),
+    ({"prefill": {"maxQueueTimeSeconds": 5}}, {"prefill"}),
     ({"prefill": {"kvMemoryFraction": 0.5}}, {"prefill"}),
     ({"decode": {"drain": {"timeoutSeconds": 120}}}, {"decode"}),
     ({"prefill": {"startupSeconds": 1800}}, {"prefill"}),

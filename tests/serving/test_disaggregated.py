@@ -3,12 +3,15 @@ prefix caching through the router, and a decode worker killed mid-stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -235,6 +238,91 @@ def test_the_agent_api_through_the_router(disagg) -> None:
     from .agent_checks import check_agent_api
 
     check_agent_api(disagg["router"])
+
+
+HOSTILE = 64  # idle and as many slow connections, on each port
+# The stated bound (docs/serving.md, connection limits): with them open a legitimate request's
+# latency stays within twice its latency on a quiet stack plus one second.
+LATENCY_FACTOR, LATENCY_SLACK_S = 2.0, 1.0
+
+
+@contextlib.contextmanager
+def hostile(ports: dict[int, bytes]) -> Iterator[dict[str, int]]:
+    """HOSTILE idle and HOSTILE slow connections on each port, kept open by hostile_conns.py in a
+    process of its own; yields, and fills in at the end, ``open`` and ``reopened``."""
+    script = Path(__file__).with_name("hostile_conns.py")
+    args = [f"{p}={prefix.hex()}" for p, prefix in ports.items()]
+    proc = subprocess.Popen(
+        [sys.executable, "-P", str(script), str(HOSTILE), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stats: dict[str, int] = {}
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        stats["opened"] = int(proc.stdout.readline().split()[1])
+        yield stats
+        proc.stdin.close()
+        _, still_open, reopened = proc.stdout.readline().split()
+        stats |= {"open": int(still_open), "reopened": int(reopened)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _timed_requests(url: str, stack) -> list[float]:
+    """Each prompt through the router, streamed: its text must be the offline greedy text."""
+    c = client(url)
+    took = []
+    for prompt in PROMPTS:
+        t0 = time.monotonic()
+        parts = [
+            ev.choices[0].text
+            for ev in c.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
+            if ev.choices
+        ]
+        took.append(time.monotonic() - t0)
+        assert "".join(parts) == stack.offline[prompt], prompt
+    return took
+
+
+def test_idle_and_slow_connections_on_every_port_change_no_outcome_or_latency(disagg, stack) -> None:
+    """64 idle and 64 slow connections on the router's, both workers' HTTP ports and the decode
+    worker's KV port, kept open (reopened when the server closes them) while the same prompts run
+    through the router: the same text, each within the stated latency bound of its quiet run."""
+    from pagoda.node_agent.serving.api.internal_auth import InternalAuth
+
+    def kv_state() -> dict:
+        ok = InternalAuth(TOKEN).headers("GET", "/internal/state")
+        return httpx.get(disagg["decode"] + "/internal/state", headers=ok).json()
+
+    _timed_requests(disagg["router"], stack)  # warm
+    quiet = [
+        max(a, b) for a, b in zip(*(_timed_requests(disagg["router"], stack) for _ in range(2)), strict=True)
+    ]
+    kv_port = int(kv_state()["kv_address"].rpartition(":")[2])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    ports = {int(disagg[r].rpartition(":")[2]): head for r in ("router", "prefill", "decode")}
+    ports[kv_port] = b"PGKV\x02\x01"
+    with hostile(ports) as held:
+        assert held["opened"] == len(ports) * 2 * HOSTILE, held  # they are all in
+        time.sleep(1.0)
+        loaded = [_timed_requests(disagg["router"], stack) for _ in range(2)]
+        m_router = metrics(disagg["router"])
+    for run in loaded:
+        for prompt, q, t in zip(PROMPTS, quiet, run, strict=True):
+            assert t <= LATENCY_FACTOR * q + LATENCY_SLACK_S, (prompt, q, t)
+    assert held["open"] >= len(ports) * 2 * HOSTILE * 0.9, held  # held open throughout
+    assert held["reopened"] > 0, held  # the servers shed them (timeouts, KV evictions); they came back
+    assert metric_sum(m_router, "pagoda_router_worker_ready", role="decode") == 1
+    deadline = time.monotonic() + 20  # and the KV port holds nothing of them afterwards
+    while any(kv_state()["kv_receiver"].values()):
+        assert time.monotonic() < deadline, kv_state()["kv_receiver"]
+        time.sleep(0.1)
 
 
 # Kills the decode worker: keep it the module's last test.

@@ -166,3 +166,52 @@ def test_non_finite_or_out_of_range_pages_are_refused_counted_and_released(pair,
     assert wait_released(pair)["reserved_pages"] == 0 and state(pair)["kv_free_tokens"] == free
     r, lines = legit_handoff(pair, "Once upon a time")  # and the worker still serves
     assert r.status_code == 200 and lines[-1]["chunk"]["finished"]
+
+
+WARM_UP, ROUNDS = 6, 60
+RSS_MARGIN = 48 << 20  # bytes: keeping one payload a round would pass it (the test checks that)
+
+
+def _refused_round(pair, value: float) -> None:
+    with httpx.Client(timeout=60) as c:
+        parked = Parked(pair, c)
+        with pytest.raises(TransferError, match="KV pages hold"):
+            asyncio.run(
+                TcpKVSender(AUTH).send(
+                    parked.kv_address, parked.ticket, poisoned(pair["decode_engine"], value)
+                )
+            )
+        assert parked.rest()[-1]["error"]["code"] == "kv_transfer_failed"
+
+
+def test_repeated_poisoned_handoffs_are_all_counted_and_memory_does_not_grow(pair) -> None:
+    """Many NaN / infinity / out-of-range handoffs in a row: each refused and counted, no page left
+    reserved or in use, and this process's RSS (both workers run in it) flat after a warm-up."""
+    import gc
+
+    import psutil
+
+    url, values = pair["urls"]["decode"], (float("nan"), float("-inf"), -3e38)
+    reasons = ("non_finite", "out_of_range")
+
+    def refused() -> float:
+        m = metrics(url)
+        return sum(metric_sum(m, "pagoda_kv_transfer_failures_total", reason=r) for r in reasons)
+
+    free = state(pair)["kv_free_tokens"]
+    for k in range(WARM_UP):
+        _refused_round(pair, values[k % 3])
+    gc.collect()
+    proc = psutil.Process()
+    rss_warm, before = proc.memory_info().rss, refused()
+    for k in range(ROUNDS):
+        _refused_round(pair, values[k % 3])
+    gc.collect()
+    grown = proc.memory_info().rss - rss_warm
+    assert refused() - before == ROUNDS
+    assert wait_released(pair)["reserved_pages"] == 0 and state(pair)["kv_free_tokens"] == free
+    assert metric_sum(metrics(url), "pagoda_kv_pages_used") == 0
+    sample = poisoned(pair["decode_engine"], 0.0)
+    payload_bytes = sum(t.numel() * t.element_size() for layer in sample.layers for t in layer.values())
+    assert grown < RSS_MARGIN, (grown, payload_bytes)  # ROUNDS payloads kept would be ROUNDS * payload_bytes
+    assert ROUNDS * payload_bytes > RSS_MARGIN  # so the margin can catch a payload kept per round

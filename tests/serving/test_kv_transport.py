@@ -24,6 +24,7 @@ from pagoda.node_agent.serving.worker.kv_transport import (
     HEADER,
     MAGIC,
     PAGE,
+    PROGRESS_BYTES,
     SCALES,
     TcpKVReceiver,
     TcpKVSender,
@@ -489,6 +490,37 @@ def test_over_the_unauthenticated_caps_the_oldest_connection_is_closed() -> None
     (ack, waiting), r = run(go, max_unauthenticated_per_peer=4, max_unauthenticated=8)
     assert ack == {"ok": True} and waiting == 3  # its arrival closed one more of the idle ones
     assert r.reasons().count("evicted") == 3
+
+
+def test_a_sender_whose_header_is_under_way_is_evicted_after_the_silent_ones() -> None:
+    """Over the per-peer cap the oldest *silent* connection goes first: one that already sent a
+    frame prefix and a MAC (a legitimate sender's header arriving) is spared while newer silent
+    ones come, and its handoff then lands."""
+    frames = payload_frames("t1", payload(), AUTH)
+    cut = PROGRESS_BYTES + 8
+
+    async def go(r: Rig) -> tuple[dict, int]:
+        host, _, port = r.addr.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(frames[0][:cut])  # its header, begun
+        await writer.drain()
+        while r.rx.connections < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        idle = [(await asyncio.open_connection(host, int(port)))[1] for _ in range(8)]
+        while r.reasons().count("evicted") < 5:  # 9 from one peer, 4 allowed
+            await asyncio.sleep(0.01)
+        writer.write(frames[0][cut:] + b"".join(frames[1:]))
+        await writer.drain()
+        ftype, body = await read_frame(reader, lambda t: 1 << 16 if t == ACK else -1, 10)
+        writer.close()
+        for w in idle:
+            w.close()
+        return json.loads(body), r.reasons().count("evicted")
+
+    (ack, evicted), r = run(go, max_unauthenticated_per_peer=4, max_unauthenticated=16)
+    assert ack == {"ok": True} and "t1" in r.got  # spared: only silent ones were closed
+    assert evicted == 5
 
 
 def test_a_silent_or_slow_peer_is_closed_at_the_auth_deadline_and_releases_everything() -> None:

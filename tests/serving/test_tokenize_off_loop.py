@@ -126,3 +126,41 @@ def test_a_worker_refuses_prompt_text_over_its_byte_limit_before_tokenizing(stac
         assert info.value.param == PROMPT
     assert tokenize_threads == []
     assert stack.aengine.num_inflight == 0
+
+
+def test_the_gil_switch_interval_flag_sets_the_process_interval() -> None:
+    """``--gil-switch-interval``: its default, a value, 0 (Python's own kept) and a negative refused."""
+    import sys
+
+    from pagoda.node_agent.cli.serve import DEFAULT_SWITCH_INTERVAL_S, apply_switch_interval
+
+    from .apps import serve_args
+
+    before = sys.getswitchinterval()
+    try:
+        assert serve_args().gil_switch_interval == DEFAULT_SWITCH_INTERVAL_S
+        apply_switch_interval(serve_args("--gil-switch-interval", "0.002").gil_switch_interval)
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        apply_switch_interval(0)
+        assert sys.getswitchinterval() == pytest.approx(0.002)  # unchanged
+        with pytest.raises(SystemExit, match="must be >= 0"):
+            apply_switch_interval(-1)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_tokenizer_threads_run_below_the_engine_threads_priority(stack) -> None:
+    """A tokenizer thread's nice value is the process's plus TOKENIZE_NICE (capped at 19), so a
+    flood being tokenized yields a busy CPU to the engine thread."""
+    import os
+    import threading
+
+    from pagoda.node_agent.serving.worker.async_engine import TOKENIZE_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert stack.aengine._tokenize_pool.submit(nice).result(30) == min(19, base + TOKENIZE_NICE)
+    assert nice() == base  # this (the caller's) thread unchanged

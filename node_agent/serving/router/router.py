@@ -673,7 +673,7 @@ class RouterHandle:
                     continue
                 msg = json.loads(line)
                 if "error" in msg:
-                    raise RequestFailed(msg["error"].get("message", "decode failed"))
+                    raise _decode_error(msg["error"])
                 c = self.lead.fill(StreamChunk.from_json(msg["chunk"]))
                 c.num_prompt_tokens = c.num_prompt_tokens or self.prompt_tokens
                 c.num_cached_tokens = c.num_cached_tokens or self.cached_tokens
@@ -720,6 +720,19 @@ class RouterHandle:
 def _count(value: Any) -> int:
     """A non-negative count from a worker's state (anything else counts as 0)."""
     return value if type(value) is int and value > 0 else 0
+
+
+def _decode_error(err: dict[str, Any]) -> Exception:
+    """A decode worker's error line as the client's error: a queue timeout stays a 503 with its
+    Retry-After (before any byte it is the answer's status; later, the stream's error event)."""
+    message = str(err.get("message", "decode failed"))
+    if err.get("code") != "queue_timeout":
+        return RequestFailed(message)
+    wait = err.get("retry_after_s")
+    wait = wait if isinstance(wait, int) and 0 < wait <= 3600 else RETRY_AFTER_S
+    return ApiError(
+        503, message, code="queue_timeout", type_="server_error", headers={"Retry-After": str(wait)}
+    )
 
 
 def retry_later(status: int, message: str, code: str) -> ApiError:

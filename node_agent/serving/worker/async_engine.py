@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,6 +44,18 @@ log = logging.getLogger("pagoda.async_engine")
 SNAPSHOT_EVERY_S = 0.05
 GRAMMAR_THREADS = 2  # constrained requests compile here, beside the engine thread
 TOKENIZE_THREADS = 2  # prompts are tokenized and length-checked here, never on the engine thread
+TOKENIZE_NICE = 10  # added to the tokenizer threads' nice value: the engine thread wins a busy CPU
+
+
+def lower_thread_priority(step: int = TOKENIZE_NICE) -> None:
+    """Raise the calling thread's nice value by ``step`` (Linux: a thread id is a PRIO_PROCESS
+    target), so a flood of long prompts being tokenized takes CPU from the engine thread only when
+    a core is free; a no-op where the platform has no per-thread priority."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+    except (AttributeError, OSError):
+        pass
 
 
 class EngineDead(RuntimeError):
@@ -165,7 +178,9 @@ class AsyncEngine:
         self.generated_tokens = 0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, "pagoda-grammar")
-        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, "pagoda-tokenize")
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZE_THREADS, "pagoda-tokenize", initializer=lower_thread_priority
+        )
         # called (on the engine thread) once the replica cannot serve any more: a tensor-parallel
         # rank died or hung; the server exits non-zero (cli/serve.py)
         self.on_fatal: Callable[[str], None] | None = None

@@ -45,7 +45,8 @@ from pagoda.node_agent.serving.api.metrics import ServeMetrics
 from pagoda.node_agent.serving.worker.async_engine import AsyncEngine, EngineDead, QueueFull
 from pagoda.node_agent.serving.worker.kv_limits import KVLimits
 from pagoda.node_agent.serving.worker.kv_transport import TcpKVReceiver, TcpKVSender, TransferError
-from pagoda.node_agent.serving.worker.local_backend import busy_error
+from pagoda.node_agent.serving.worker.local_backend import busy_error, retry_after
+from pagoda.node_agent.serving.worker.queue_deadline import QueueTimeout
 
 log = logging.getLogger("pagoda.disagg")
 
@@ -296,6 +297,9 @@ class DisaggWorker:
             return _error(500, f"prefill failed: {type(exc).__name__}: {exc}"[:500], "request_failed")
         try:
             out = await stream.final()
+        except QueueTimeout as exc:  # the router passes it on as it is: 503, Retry-After
+            body = _error_body(503, str(exc), "queue_timeout")
+            return JSONResponse(body, status_code=503, headers={"Retry-After": retry_after(exc)})
         except RequestFailed as exc:
             return _error(500, f"prefill failed: {exc}", "request_failed")
         except asyncio.CancelledError:
@@ -393,6 +397,10 @@ class DisaggWorker:
             try:
                 async for out in stream:
                     yield _line({"chunk": StreamChunk.of(out).to_json()})
+            except QueueTimeout as exc:  # the router ends the client's request with this error
+                body = _error_body(503, str(exc), "queue_timeout")
+                body["error"]["retry_after_s"] = exc.retry_after_s
+                yield _line(body)
             except RequestFailed as exc:
                 yield _line(_error_body(500, f"the request failed: {exc}", "request_failed"))
         finally:

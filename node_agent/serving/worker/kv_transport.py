@@ -32,7 +32,9 @@ ticket (claimed once: a second handoff for a ticket is refused), then every fiel
 decode pool's limits, before anything is allocated. Until the MAC verifies, a connection holds no
 handoff slot, ticket or page: it must verify within ``auth_timeout_s``; over ``max_connections``
 open a new one is closed at once; over ``max_unauthenticated`` (in all, or per peer address)
-waiting for their MAC, the oldest waiting one is closed. Pages are refused when they hold NaN,
+waiting for their MAC, the oldest waiting one that has not yet sent a frame prefix and a MAC's
+worth of bytes is closed, else the oldest (a legitimate sender sends its whole header at once, so
+a flood of silent or trickling connections, even from its own address, closes theirs). Pages are refused when they hold NaN,
 infinities or values beyond ``max_abs_value`` (one batched pass in the assembly, finite.py). Each frame's length is bounded by what the
 header announced (one page, the scales, the generator state) before its body is read; pages are
 staged as they arrive and assembled off the event loop. A frame must arrive within
@@ -83,6 +85,7 @@ MAGIC = b"PGKV"
 VERSION = 2
 HEADER, PAGE, SCALES, GENSTATE, END, ACK = 1, 2, 3, 4, 5, 6
 _PREFIX = struct.Struct("<4sBBHI")  # magic, version, type, reserved, length
+PROGRESS_BYTES = _PREFIX.size + MAC_BYTES  # sent before its MAC verifies: evicted last
 _CRC = struct.Struct("<I")
 _U32 = struct.Struct("<I")
 MAX_ACK = 1 << 16
@@ -414,6 +417,22 @@ class _Conn:
     pages: int = 0  # reserved (after the header checked)
     slot: bool = False  # a handoff slot (after the MAC verified)
     evicted: str | None = None  # why it was closed before its MAC verified
+    reader: _TrackedReader | None = None
+
+    @property
+    def progressed(self) -> bool:
+        """Whether it sent at least a frame prefix and a MAC (a legitimate sender, at once)."""
+        return self.reader is not None and self.reader.received >= PROGRESS_BYTES
+
+
+class _TrackedReader(asyncio.StreamReader):
+    """A StreamReader that counts the bytes its connection delivered (read or not)."""
+
+    received = 0
+
+    def feed_data(self, data: bytes) -> None:
+        self.received += len(data)
+        super().feed_data(data)
 
 
 def _peer(writer: asyncio.StreamWriter) -> str:
@@ -457,7 +476,12 @@ class TcpKVReceiver:
         self._quiet = 0
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._conn, self.host, self.port)
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.StreamReaderProtocol:  # asyncio.start_server, with a counting reader
+            return asyncio.StreamReaderProtocol(_TrackedReader(loop=loop), self._conn, loop=loop)
+
+        self._server = await loop.create_server(protocol, self.host, self.port)
         port = self._server.sockets[0].getsockname()[1]
         self.address = f"{self.advertise_host}:{port}"
         return self.address
@@ -501,10 +525,17 @@ class TcpKVReceiver:
         self._per_peer[conn.peer] = self._per_peer.get(conn.peer, 0) + 1
         lim = self.limits
         if self._per_peer[conn.peer] > lim.max_unauthenticated_per_peer:
-            oldest = next(c for c in self._unauth.values() if c.peer == conn.peer)
-            self._evict(oldest, f"over {lim.max_unauthenticated_per_peer} unauthenticated from {conn.peer}")
+            victim = self._victim([c for c in self._unauth.values() if c.peer == conn.peer])
+            self._evict(victim, f"over {lim.max_unauthenticated_per_peer} unauthenticated from {conn.peer}")
         if len(self._unauth) > lim.max_unauthenticated:
-            self._evict(next(iter(self._unauth.values())), f"over {lim.max_unauthenticated} unauthenticated")
+            victim = self._victim(list(self._unauth.values()))
+            self._evict(victim, f"over {lim.max_unauthenticated} unauthenticated")
+
+    @staticmethod
+    def _victim(waiting: list[_Conn]) -> _Conn:
+        """Of ``waiting`` (oldest first, the new connection last): the oldest that has not sent a
+        frame prefix and a MAC yet, the new one spared; if every older one has, the oldest."""
+        return next((c for c in waiting[:-1] if not c.progressed), waiting[0])
 
     def _authenticated(self, conn: _Conn) -> None:
         if self._unauth.pop(id(conn), None) is not None:
@@ -523,7 +554,7 @@ class TcpKVReceiver:
             self._refused("conn_limit", f"{lim.max_connections} KV connections are open", None)
             writer.transport.abort()
             return
-        conn = _Conn(_peer(writer), writer)
+        conn = _Conn(_peer(writer), writer, reader=reader if isinstance(reader, _TrackedReader) else None)
         self.connections += 1
         self._admit(conn)
         ack: dict[str, Any] = {"ok": True}
