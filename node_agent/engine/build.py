@@ -68,10 +68,7 @@ def build_parts(
         _check_source_trust(config)
     device, dtype = config.torch_device(), config.torch_dtype()
     replica = make_replica(config, worker_main)  # tensor parallelism: rank 0 drives the others
-    # each rank lists its own experts and reads only its slices (models/lazy_tensor.py)
-    loaded = loaded or load_model(config.model, part=(replica.rank, replica.world), lazy=True)
-    if config.corrupt_layer is not None:  # the quality drill (fault injection only)
-        loaded = corrupt_layer(loaded, config.corrupt_layer, config.corrupt_scale)
+    loaded = _rank_model(config, loaded, replica)
     mc = loaded.config
     tokenizer = tokenizer or Tokenizer(loaded.tokenizer_dir, loaded.gguf_file, config.trust_remote_code)
     if config.chat_template is not None:
@@ -118,6 +115,15 @@ def build_parts(
         stop_rules,
         admission,
     )
+
+
+def _rank_model(config: EngineConfig, loaded: LoadedModel | None, replica: LocalReplica) -> LoadedModel:
+    """This rank's model: it lists its own experts and reads only its slices
+    (models/lazy_tensor.py); with the quality drill (fault injection only), one layer corrupted."""
+    loaded = loaded or load_model(config.model, part=(replica.rank, replica.world), lazy=True)
+    if config.corrupt_layer is not None:
+        loaded = corrupt_layer(loaded, config.corrupt_layer, config.corrupt_scale)
+    return loaded
 
 
 def _check_source_trust(config: EngineConfig) -> None:
