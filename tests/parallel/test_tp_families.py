@@ -161,8 +161,9 @@ def _build_rank(loaded, rank: int, **kw):
     from types import SimpleNamespace
 
     from pagoda.node_agent.engine.model_runner import build_model
+    from pagoda.node_agent.engine.source_formats import resolve_weight_formats
 
-    config = EngineConfig(model=loaded.source, **kw)
+    config = resolve_weight_formats(EngineConfig(model=loaded.source, **kw))  # as build_parts does
     group = SimpleNamespace(rank=rank, world=2, data=None)
     return build_model(config, loaded, torch.float32, torch.device("cpu"), group)
 
