@@ -158,7 +158,11 @@ def test_a_server_exits_non_zero_when_a_rank_dies_or_hangs(tmp_path, how):
             except httpx.HTTPError:
                 pass  # exiting
             time.sleep(0.02)
-        code = proc.wait(timeout=5)
+        try:
+            code = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server had not exited {EXIT_BOUND_S + 5:.0f}s after the rank was hit; its log:\n"
+                        + log.read_text()[-4000:])  # fmt: skip
         waited = time.monotonic() - t0
         assert 503 in readiness  # it reported not ready before it exited
         t.join(timeout=30)
