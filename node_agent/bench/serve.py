@@ -98,12 +98,24 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion; TTFT and the gaps between content chunks, tokens from usage."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    import httpx
+
     tally = StreamTally(time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body, headers={"X-Pagoda-Tenant": "bench"}) as r:
-        if r.status_code != 200:
-            return {"error": f"HTTP {r.status_code}"}
-        async for line in r.aiter_lines():
-            tally.line(line, time.perf_counter())
+    for attempt in (0, 1):
+        try:
+            async with client.stream(
+                "POST", "/v1/completions", json=body, headers={"X-Pagoda-Tenant": "bench"}
+            ) as r:
+                if r.status_code != 200:
+                    return {"error": f"HTTP {r.status_code}"}
+                async for line in r.aiter_lines():
+                    tally.line(line, time.perf_counter())
+            return tally.result()
+        except httpx.RemoteProtocolError:
+            # a kept-alive connection the server had closed (llama-server closes one after a few
+            # requests): nothing was answered on it, so it is sent once more on a new connection
+            if attempt or tally.first is not None:
+                raise
     return tally.result()
 
 

@@ -131,3 +131,33 @@ def test_side_by_side_with_a_real_llama_server() -> None:
     assert set(by_mode) == {"single", "llama-server"}
     assert all(r["errors"] == 0 and r["throughput_tok_s"] > 0 for r in res["rows"])
     assert res["baselines"][0]["status"] == "ran" and len(res["versus"]) == 2
+
+
+def test_a_request_on_a_connection_the_server_closed_is_sent_once_more() -> None:
+    import asyncio
+
+    import httpx
+
+    from pagoda.node_agent.bench.serve import one_request
+
+    calls = []
+    sse = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) == 1:  # a kept-alive connection closed by the server: nothing answered
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=sse)
+
+    async def run(transport) -> dict:
+        async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
+            return await one_request(client, "m", "p", 2)
+
+    r = asyncio.run(run(httpx.MockTransport(handler)))
+    assert calls == ["/v1/completions"] * 2 and r["tokens"] == 2
+
+    def always(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    with pytest.raises(httpx.RemoteProtocolError):  # a server that keeps doing it is an error
+        asyncio.run(run(httpx.MockTransport(always)))
