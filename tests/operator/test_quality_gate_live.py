@@ -7,8 +7,8 @@ the new pair's score endpoints three real ``pagoda serve`` processes on the buil
   projections scaled at load.
 
 The honest change passes and shifts; the drilled one is held with ``QualityGateFailed`` and its KL
-while the old pair serves. The timeout case is test_quality_gate_kmock.py's (a pod that never
-answers needs no engine). The servers start once for the module: about 30-60 s on 2 cores.
+while the old pair serves. A gate whose proofs the engines refuse (another token) cannot finish:
+it times out and stalls without shifting. The servers start once for the module: about 30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -82,10 +82,17 @@ def operator_config() -> Config:
     )
 
 
-def gate_against(cluster: Cluster, monkeypatch, servers: dict[str, str], candidate: str) -> None:
+def gate_against(
+    cluster: Cluster,
+    monkeypatch,
+    servers: dict[str, str],
+    candidate: str,
+    token: str = TOKEN,
+    timeout_s: int = 300,
+) -> None:
     """The engines' token as the ModelDeployment's internal Secret (the operator keeps an existing
     one), the probe set as a ConfigMap, and the gate pointed at the reference and ``candidate``."""
-    data = {k: base64.b64encode((TOKEN if k == children.INTERNAL_TOKEN_KEY else "t" * 43).encode()).decode()
+    data = {k: base64.b64encode((token if k == children.INTERNAL_TOKEN_KEY else "t" * 43).encode()).decode()
             for k in credentials.KEYS}  # fmt: skip
     secret = {"metadata": {"name": "smollm-internal", "namespace": NS}, "type": "Opaque", "data": data}
     cluster.create(SECRET_PATH.format(ns=NS), secret)
@@ -97,7 +104,7 @@ def gate_against(cluster: Cluster, monkeypatch, servers: dict[str, str], candida
         return urls[target.role]
 
     monkeypatch.setattr(quality_gate, "resolve_url", resolve)
-    serving_then_change(cluster, timeout_s=300, probe_set="probes")
+    serving_then_change(cluster, timeout_s=timeout_s, probe_set="probes")
 
 
 def test_an_honest_change_passes_against_real_engines_and_shifts(
@@ -132,3 +139,15 @@ def test_the_drilled_change_is_held_with_its_kl_while_the_old_pair_serves(
     assert "mean KL" in condition(md, "Degraded")["message"]
     still_on_the_old_pair(cluster)
     assert cluster.get(f"{CM_PATH.format(ns=NS)}/smollm-quality-reference") is None
+
+
+def test_a_gate_the_engines_refuse_times_out_and_stalls(cluster: Cluster, servers, monkeypatch) -> None:
+    gate_against(cluster, monkeypatch, servers, "honest", token="another-token-" + "x" * 32, timeout_s=10)
+    md = cluster.wait_for(
+        lambda: (m := cluster.get(MD)) and condition(m, "Degraded")["reason"] == "QualityGateTimeout" and m,
+        timeout=60,
+        what="QualityGateTimeout",
+    )
+    gate = md["status"]["quality"]["gate"]
+    assert gate["phase"] == "TimedOut" and "403" in gate.get("lastError", ""), gate
+    still_on_the_old_pair(cluster)
