@@ -13,8 +13,9 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
+
+from pagoda.node_agent.serving import launch
 
 MODE = "llama-server"
 INSTALL = (
@@ -83,28 +84,11 @@ def command(
     ]  # fmt: skip
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Poll ``url``/health until 200 (llama-server answers 503 while it loads)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with code {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"llama-server at {url} not ready after {timeout:.0f}s")
-
-
 def start(cmd: list[str], port: int, timeout: float) -> subprocess.Popen:
     """Start ``cmd`` (from ``command``) and wait until it serves."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout)
+    try:  # llama-server answers /health with 503 while it loads
+        launch.wait_ready(f"http://127.0.0.1:{port}", [proc], timeout, path="/health")
     except BaseException:
         proc.kill()
         proc.wait()

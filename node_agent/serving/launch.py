@@ -23,26 +23,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def is_ready(url: str, timeout: float = 2) -> bool:
-    """Whether ``url``/ready answers 200 now."""
+def is_ready(url: str, timeout: float = 2, path: str = "/ready") -> bool:
+    """Whether ``url``/ready (or ``path``) answers 200 now."""
     import httpx
 
     try:
-        return httpx.get(url + "/ready", timeout=timeout).status_code == 200
+        return httpx.get(url + path, timeout=timeout).status_code == 200
     except httpx.HTTPError:
         return False
 
 
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    """Poll ``url``/ready until 200; RuntimeError if one of ``procs`` exits first (with the end of
-    its stderr when that is a pipe) or time runs out."""
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300, path: str = "/ready") -> None:
+    """Poll ``url``/ready (or ``path``) until 200; RuntimeError if one of ``procs`` exits first (with
+    the end of its stderr when that is a pipe) or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
                 tail = p.stderr.read().decode(errors="replace")[-2000:] if p.stderr else ""
                 raise RuntimeError(f"a worker exited with code {p.returncode} before it was ready: {tail}")
-        if is_ready(url):
+        if is_ready(url, path=path):
             return
         time.sleep(0.5)
     raise RuntimeError(f"{url} not ready after {timeout:.0f}s")

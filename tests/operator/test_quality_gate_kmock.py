@@ -10,6 +10,7 @@ reference, the new pair the candidate); these tests point it at their servers. W
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -42,18 +43,9 @@ from pagoda.operator.config import Config
 
 
 @pytest.fixture
-def operator_config() -> Config:
+def operator_config(operator_config: Config) -> Config:
     """The kmock tests' short timers, plus a gate that retries and gives up quickly."""
-    return Config(
-        resync_s=0.5,
-        stale_after_s=30,
-        report_interval_s=5,
-        install_crd=False,
-        shift_settle_s=0.5,
-        secret_cache_s=0.5,
-        quality_request_s=1.0,
-        quality_retry_s=0.2,
-    )
+    return dataclasses.replace(operator_config, quality_request_s=1.0, quality_retry_s=0.2)
 
 
 def token(cluster: Cluster) -> str:

@@ -14,6 +14,7 @@ it times out and stalls without shifting. The servers start once for the module:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 from collections.abc import Iterator
@@ -68,18 +69,9 @@ def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-def operator_config() -> Config:
+def operator_config(operator_config: Config) -> Config:
     """The kmock tests' short timers; a real engine's score takes seconds, so a long request limit."""
-    return Config(
-        resync_s=0.5,
-        stale_after_s=30,
-        report_interval_s=5,
-        install_crd=False,
-        shift_settle_s=0.5,
-        secret_cache_s=0.5,
-        quality_request_s=120.0,
-        quality_retry_s=1.0,
-    )
+    return dataclasses.replace(operator_config, quality_request_s=120.0, quality_retry_s=1.0)
 
 
 def gate_against(
