@@ -202,12 +202,6 @@ def window(
     return rates, {"startTime": snapshot["startTime"], "counters": kept}
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        return None
-    return float(value)
-
-
 def quality_of(pods: list[Obj], fresh: Reports) -> Obj:
     """``status.quality.pools``: per pool the last continuous-probe figures of its fresh agents
     (``AgentReport.quality``, absent until a probe has succeeded): the worst KL, the lowest
