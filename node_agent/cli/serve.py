@@ -383,13 +383,13 @@ def build_app(a: argparse.Namespace, engine=None):
 
     from pagoda.node_agent.engine.llm_engine import LLMEngine
     from pagoda.node_agent.serving.api.metrics import ServeMetrics
-    from pagoda.node_agent.serving.worker.async_engine import AsyncEngine
+    from pagoda.node_agent.serving.worker.async_engine import AsyncEngine, build_off_main
     from pagoda.node_agent.serving.worker.queue_deadline import QueuePolicy
 
     if engine is None:
         cfg = engine_config_from_args(a)
         cfg.role = a.role
-        engine = LLMEngine(cfg)
+        engine = build_off_main(lambda: LLMEngine(cfg))  # the engine thread's pool is the only one
     holder: dict = {}
     metrics = ServeMetrics(pool_label(a.role), snapshot=lambda: holder["engine"].snapshot())
     policy = QueuePolicy(a.max_queue_time, a.tenant_queue_share)

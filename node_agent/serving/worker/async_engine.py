@@ -47,6 +47,31 @@ TOKENIZE_THREADS = 2  # prompts are tokenized and length-checked here, never on 
 TOKENIZE_NICE = 10  # added to the tokenizer threads' nice value: the engine thread wins a busy CPU
 
 
+def build_off_main(factory: Callable[[], LLMEngine]) -> LLMEngine:
+    """``factory()`` run on a short-lived thread, its engine (or its exception) returned.
+
+    OpenMP keeps one pool of worker threads per thread that ever ran a parallel region, and once a
+    process holds more such workers than it has cores, every pool's workers go to sleep between
+    regions instead of spinning, so each of a decode step's hundreds of regions waits for a wake-up
+    (measured on 2 cores: a step 2.5-3x slower when the engine loop runs on another thread than the
+    one that built the model). Built here, the model's pool goes with its thread, and the engine
+    thread's pool is the only one (docs/serving.md#one-openmp-pool)."""
+    box: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            box["engine"] = factory()
+        except BaseException as exc:  # re-raised on the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=build, name="pagoda-build")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["engine"]  # type: ignore[return-value]
+
+
 def lower_thread_priority(step: int = TOKENIZE_NICE) -> None:
     """Raise the calling thread's nice value by ``step`` (Linux: a thread id is a PRIO_PROCESS
     target), so a flood of long prompts being tokenized takes CPU from the engine thread only when
