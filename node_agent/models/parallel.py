@@ -253,7 +253,8 @@ def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> Co
     amax = None
     if need_amax and not isinstance(w, Fp8Weight | Fp8BlockWeight):
         if isinstance(w, LazyTensor):  # the whole row's amax: one tensor read and dropped
-            dense = read_now(w)
+            w_read = read_now(w)
+            dense = w_read if isinstance(w_read, torch.Tensor) else w_read.dequantize()
         else:
             dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         amax = dense.detach().float().abs().amax(dim=1)
@@ -270,6 +271,8 @@ def int4_unit(w, formats: set[str], preferred: int | None) -> int:
     grouped)."""
     if isinstance(w, Int4Weight):
         return w.group_size
+    if isinstance(w, LazyTensor) and w.int4_group:  # read as an Int4Weight (GGUF Q4_0 / Q4_1)
+        return w.int4_group
     unit = w.block[1] if isinstance(w, Fp8BlockWeight) else 1
     if "int4" in formats:
         return math.lcm(unit, pick_group_size(_cols(w), preferred or 128))
