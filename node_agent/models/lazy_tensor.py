@@ -106,6 +106,16 @@ class LazyTensor:
         """The INT4 group of a tensor read as an Int4Weight (a column slice keeps it whole); 0: none."""
         return 0
 
+    @property
+    def quantized_as(self) -> str | None:
+        """The prequantized format a read gives ("int4", "fp8"), None for a float tensor."""
+        return None
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The (rows, cols) block of a tensor read as an Fp8BlockWeight; None: none."""
+        return None
+
     def open(self):
         """A context manager giving the handle ``read`` takes (a ``safe_open`` of ``file``)."""
         from safetensors import safe_open

@@ -21,7 +21,11 @@ import torch
 
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.cache import cached_tokenizer, read_cache, write_cache
-from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
+from pagoda.node_agent.models.checkpoint_formats import (
+    DENSE_ONLY_SUFFIXES,
+    convert_checkpoint,
+    parse_quantization_config,
+)
 from pagoda.node_agent.models.config import (
     GGUF_MOE_ARCHITECTURES,
     MLP_NAMES,
@@ -33,6 +37,7 @@ from pagoda.node_agent.models.config import (
     config_from_hf,
     family_of,
 )
+from pagoda.node_agent.models.deferred_quant import defer_quantized_layers
 from pagoda.node_agent.models.gguf_blocks import EXACT_INT4_TYPES, int4_from_gguf, permute_rows
 from pagoda.node_agent.models.gguf_blocks import unpermute_rope as _unpermute_rope
 from pagoda.node_agent.models.gguf_lazy import deferred_gguf_weights
@@ -351,7 +356,8 @@ def _load_hf_dir(source: str, path: Path, part: tuple[int, int] | None, lazy: bo
     weights: dict[str, torch.Tensor] = _list_tensors(files, listed, ckpt_quant is not None, stored)
     if not lazy or manifest is not None:
         eager = weights
-    elif ckpt_quant is not None:  # its quantized layers are converted whole; the rest stays deferred
+    elif ckpt_quant is not None:  # quantized layers deferred too (deferred_quant), experts read whole
+        weights = defer_quantized_layers(weights, ckpt_quant, DENSE_ONLY_SUFFIXES)
         eager = {k: weights[k] for k in _quantized_layers(weights)}
     else:
         eager = {}
