@@ -84,7 +84,7 @@ class DeferredQuant(LazyTensor):
         n, k = self.shape
         if self.quantized_as == "fp8":
             bn, bk = self.config.block
-            return n * k + (-(-n // bn) + 1) * -(-k // bk) * 4 + n * 4
+            return n * k + -(-n // bn) * -(-k // bk) * 4 + n * 4  # values, block scales, row map
         if self.quantized_as == "int4":
             g = k // self.group
             return n * k // 2 + n * g * 4 + (n * g if not self.config_symmetric else 0)

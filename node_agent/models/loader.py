@@ -117,9 +117,10 @@ def load_model(source: str, part: tuple[int, int] | None = None, lazy: bool = Fa
     ``part``: (rank, world) of a tensor-parallel rank, whose Hugging Face directory load lists only
     its own routed experts (expert parallelism; the others are never read). ``lazy``: the weights of
     a directory stored dense stay LazyTensors, for the shard plan to narrow and
-    ``lazy_tensor.materialize`` to read (the engine's path, at every degree). A prequantized
-    directory (FP8 blocks, INT4 groups, a `pagoda quantize` output) reads its listed tensors whole
-    and converts them; a GGUF file is read whole."""
+    ``lazy_tensor.materialize`` to read (the engine's path, at every degree), and so do the
+    quantized layers of a prequantized one (deferred_quant; its routed experts are read and
+    converted at once, as is a `pagoda quantize` output). A GGUF file is decoded whole, except for a
+    ``lazy`` rank of several, whose tensors stay deferred (gguf_lazy)."""
     kind, path = resolve_source(source)
     if kind == "gguf":
         return _load_gguf(source, path, part if lazy else None)
@@ -404,7 +405,8 @@ def _list_tensors(
 def _quantized_layers(weights: dict[str, LazyTensor]) -> set[str]:
     """The tensors of a prequantized checkpoint's quantized layers: every tensor of a layer that
     stores more than a weight and a bias (scales, packed values, zero points, group indices) or an
-    integer or FP8 one. The checkpoint's converter reads those whole."""
+    integer or FP8 one: the ones deferred_quant did not defer (routed experts), which the
+    checkpoint's converter reads whole."""
     layers: dict[str, list[str]] = {}
     for k in weights:
         layers.setdefault(k.rsplit(".", 1)[0], []).append(k)
