@@ -12,12 +12,19 @@ rank beside it, for the time and memory it took.
 What is measured is the load up to the weights a rank holds (float32, the loader's output), before
 the engine packs them into its phase formats. ``weights`` below is that float32 size (a BF16
 checkpoint is half of it on disk).
+
+``gguf=True`` writes the same model as a qwen3moe GGUF file instead (every matrix Q8_0, experts
+stacked per projection as llama.cpp stores them, random codes) and loads it per rank
+(``gguf-sharded``: deferred GGUF tensors, a rank dequantizing its experts and slices) and the
+whole way at one rank (``gguf-whole``: every tensor dequantized, then sliced), the decoded-model
+cache off.
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import tempfile
@@ -132,6 +139,75 @@ def write_checkpoint(path: Path, cfg: dict, shard_bytes: int, seed: int = 0) -> 
     return {"files": len(groups), "stored_bytes": stored, "tensors": len(shapes)}
 
 
+def write_gguf_checkpoint(path: Path, cfg: dict, seed: int = 0) -> dict:
+    """The checkpoint of ``cfg`` as one qwen3moe GGUF file: matrices Q8_0 (random codes, scale
+    2^-11), experts stacked [E, out, in] per projection, norms F32: {files, stored_bytes, tensors,
+    params}."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    h, e, i = cfg["hidden_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    d, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(h)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(d)
+    w.add_value_length(d)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(e)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(i)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    scale = np.float16(2.0**-11).tobytes()
+    stored = params = tensors = 0
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        nonlocal stored, params, tensors
+        tensors += 1
+        params += _numel(shape)
+        if len(shape) == 1:
+            arr = np.ones(shape, np.float32)
+            w.add_tensor(name, arr)
+        else:
+            blocks = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // 32, 34), dtype=np.uint8)
+            blocks[..., :2] = np.frombuffer(scale, np.uint8)
+            arr = blocks.reshape(*shape[:-1], -1)
+            w.add_tensor(name, arr, raw_dtype=q8)
+        stored += arr.nbytes
+
+    add("token_embd.weight", (cfg["vocab_size"], h))
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"blk.{n}."
+        for base, shape in (
+            ("attn_norm", (h,)),
+            ("ffn_norm", (h,)),
+            ("attn_q", (heads * d, h)),
+            ("attn_k", (kv * d, h)),
+            ("attn_v", (kv * d, h)),
+            ("attn_output", (h, heads * d)),
+            ("attn_q_norm", (d,)),
+            ("attn_k_norm", (d,)),
+            ("ffn_gate_inp", (e, h)),
+            ("ffn_gate_exps", (e, i, h)),
+            ("ffn_up_exps", (e, i, h)),
+            ("ffn_down_exps", (e, h, i)),
+        ):
+            add(f"{p}{base}.weight", shape)
+    add("output_norm.weight", (h,))
+    add("output.weight", (cfg["vocab_size"], h))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"files": 1, "stored_bytes": stored, "tensors": tensors, "params": params}
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -160,15 +236,22 @@ def _rank_main(path: str, rank: int, world: int, mode: str, threads: int, out) -
 
     if threads > 0:
         torch.set_num_threads(threads)
+    if mode.startswith("gguf"):
+        os.environ["PAGODA_NO_MODEL_CACHE"] = "1"  # the decode itself, not the cache, is measured
     me = psutil.Process()
     overhead = me.memory_info().rss
     overhead_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0, c0 = time.perf_counter(), _cpu_s(resource)
-    if mode == "sharded":
+    if mode == "gguf-sharded" and world == 1:  # one rank keeps the whole decode: defer it here
+        from pagoda.node_agent.models.loader import _decode_gguf
+
+        loaded = _decode_gguf(path, Path(path), (0, 1))
+        _, weights = rank_weights(loaded.weights, loaded.config, rank, world, FORMATS, None)
+    elif mode in ("sharded", "gguf-sharded"):
         loaded = load_model(path, part=(rank, world), lazy=True)
         _, weights = rank_weights(loaded.weights, loaded.config, rank, world, FORMATS, None)
-    else:  # the old path: every shard read whole, converted, then this rank's slice kept
-        loaded = _load_whole(path)
+    else:  # the old path: every shard read (GGUF: every tensor dequantized), then this rank's slice
+        loaded = load_model(path) if mode == "gguf-whole" else _load_whole(path)
         units = mlp_units(loaded.weights, loaded.config, FORMATS, None)
         plan = make_plan(loaded.config, rank, world, *units)
         weights = shard_weights(loaded.weights, loaded.config, plan, FORMATS)
@@ -199,7 +282,7 @@ def _cpu_s(resource) -> float:
 
 def _warm(path: Path) -> None:
     """Read every shard once, so each variant starts from the same (warm) page cache."""
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else [path]:
         with open(f, "rb") as fh:
             while fh.read(64 * 2**20):
                 pass
@@ -260,32 +343,48 @@ def bench_load(
     repeats: int = 1,
     threads: int = 1,
     workdir: str | None = None,
+    gguf: bool = False,
 ) -> dict:
-    """Write the checkpoint, load it at each degree (sharded) and at one rank the old way, each
-    ``repeats`` times, interleaved; the median load time and the largest peak per rank."""
-    layers = layers_for(size_mib * 2**20, hidden, experts, vocab)
+    """Write the checkpoint (``gguf``: as a GGUF file), load it at each degree (sharded) and at one
+    rank the old way, each ``repeats`` times, interleaved; the median load time and the largest
+    peak per rank."""
+    bytes_per_param = 34 / 32 if gguf else 2
+    layers = layers_for(int(size_mib * 2**20 * 2 / bytes_per_param), hidden, experts, vocab)
     cfg = checkpoint_config(hidden, experts, vocab, layers)
     tmp = Path(tempfile.mkdtemp(prefix="pagoda-bench-load-", dir=workdir))
+    ckpt_path = tmp / ("model.gguf" if gguf else "ckpt")
+    whole_mode, sharded_mode = ("gguf-whole", "gguf-sharded") if gguf else ("whole", "sharded")
     try:
         t0 = time.perf_counter()
-        ckpt = write_checkpoint(tmp / "ckpt", cfg, shard_mib * 2**20)
+        if gguf:
+            ckpt = write_gguf_checkpoint(ckpt_path, cfg)
+        else:
+            ckpt = write_checkpoint(ckpt_path, cfg, shard_mib * 2**20)
         ckpt["write_s"] = round(time.perf_counter() - t0, 1)
-        variants = [("whole", 1)] + [("sharded", w) for w in tp]
+        variants = [(whole_mode, 1)] + [(sharded_mode, w) for w in tp]
         runs: dict[tuple[str, int], list[dict]] = {v: [] for v in variants}
         for _ in range(repeats):
             for mode, world in variants:
-                _warm(tmp / "ckpt")
-                runs[mode, world].append(run_ranks(str(tmp / "ckpt"), world, mode, threads))
+                _warm(ckpt_path)
+                runs[mode, world].append(run_ranks(str(ckpt_path), world, mode, threads))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    weights = 2 * ckpt["stored_bytes"]  # float32 held over all ranks
+    weights = 4 * ckpt["params"] if gguf else 2 * ckpt["stored_bytes"]  # float32 held over all ranks
     rows = [_row(mode, world, runs[mode, world], weights) for mode, world in variants]
     by = {(r["mode"], r["tp"]): r for r in rows}
-    whole, tp1 = by["whole", 1], by.get(("sharded", 1))
+    whole, tp1 = by[whole_mode, 1], by.get((sharded_mode, 1))
     return {
         "bench": "load",
+        "gguf": gguf,
         "method": (
-            "a synthetic Qwen3-MoE checkpoint (random BF16, per-expert tensors, several safetensors "
+            (
+                "GGUF variant: the same model as one qwen3moe GGUF file (matrices Q8_0, experts stacked); "
+                "gguf-sharded = deferred GGUF tensors dequantized per rank, gguf-whole = every tensor "
+                "dequantized then sliced, model cache off. "
+                if gguf
+                else ""
+            )
+            + "a synthetic Qwen3-MoE checkpoint (random BF16, per-expert tensors, several safetensors "
             "shards) written by the bench, loaded by every rank of a degree at once, each a fresh "
             "process: sharded = load_model(part, lazy) + rank_weights (the engine's path: a rank lists "
             "its experts and reads its slices through safetensors' lazy slices, converting tensor by "
@@ -389,7 +488,8 @@ def plot_load(path: Path, result: dict) -> None:
     b.set_ylabel("seconds (all ranks loaded)")
     ck = result["checkpoint"]
     b.set_title(
-        f"load time: {ck['stored_bytes'] / 2**30:.2f} GiB BF16, {ck['files']} shards, {ck['experts']} experts"
+        f"load time: {ck['stored_bytes'] / 2**30:.2f} GiB {'GGUF Q8_0' if result.get('gguf') else 'BF16'}, "
+        f"{ck['files']} shards, {ck['experts']} experts"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -190,6 +190,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         repeats=a.repeats,
         threads=a.threads,
         workdir=a.workdir,
+        gguf=a.gguf,
     )
     write_result(a.json, result, lambda p: plot_load(p, result), command_line(a))
     for row in result["rows"]:
@@ -332,13 +333,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     ld = bs.add_parser(
         "load", help="sharded loading: load time and peak RSS per rank at TP 1, 2, 4 (CPU ranks)"
     )
-    ld.add_argument("--size-mib", type=positive_int, default=1100, help="BF16 checkpoint size to write")
+    ld.add_argument("--size-mib", type=positive_int, default=1100, help="checkpoint size to write (stored)")
     ld.add_argument("--shard-mib", type=positive_int, default=256, help="safetensors shard size")
     ld.add_argument("--hidden", type=positive_int, default=1024, help="hidden size (experts: a quarter)")
     ld.add_argument("--experts", type=positive_int, default=64, help="routed experts per layer")
     ld.add_argument("--vocab", type=positive_int, default=32000)
     ld.add_argument("--tp", type=parse_int_list, default=[1, 2, 4], help="tensor-parallel degrees")
     ld.add_argument("--workdir", default=None, help="where the checkpoint is written (default: temp)")
+    ld.add_argument(
+        "--gguf", action="store_true", help="write it as a qwen3moe GGUF (Q8_0, stacked experts) instead"
+    )
     add_method_args(ld, threads_default=1, repeats=1)
     ld.add_argument("--json", default=None, help=JSON_HELP)
     ld.set_defaults(func=cmd_bench_load, bench_parser=ld)

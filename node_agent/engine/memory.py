@@ -134,7 +134,8 @@ def estimate_weight_bytes(
         else:
             for fmt in held:  # FP8 blocks serve the fp8 format as stored, counted as the model does
                 fmt = as_stored(fmt, w)
-                label = "fp8_block" if fmt == "fp8" and isinstance(w, Fp8BlockWeight) else fmt
+                block = isinstance(w, Fp8BlockWeight) or (isinstance(w, LazyTensor) and w.fp8_block)
+                label = "fp8_block" if fmt == "fp8" and block else fmt
                 add(label, linear_bytes(w, fmt, dtype, group_size, int4_compute))
     return WeightEstimate(sum(by_format.values()), dict(sorted(by_format.items())))
 

@@ -43,6 +43,12 @@ def cache_dir_for(path: Path) -> Path | None:
     return root / "models" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
+def cached_tokenizer(path: Path) -> str | None:
+    """The converted tokenizer's folder of a complete cache entry, without reading its weights."""
+    d = cache_dir_for(path)
+    return str(d) if d is not None and (d / "complete").exists() else None
+
+
 def read_cache(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor | Int4Weight], str] | None:
     """(config, weights, tokenizer dir) from the cache, or None on a miss or a damaged entry."""
     d = cache_dir_for(path)

@@ -40,7 +40,7 @@ FP8_BLOCK = "fp8_block"
 COMPRESSED = "compressed-tensors"
 # Weights the model reads as plain tensors (embedding, LM head, MoE router, MLA's kv_b_proj whose
 # weight is split into per-head views): dequantized if a checkpoint quantized them.
-_DENSE_ONLY_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "kv_b_proj.weight")
+DENSE_ONLY_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "kv_b_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def convert_checkpoint(weights: dict[str, Tensor], q: CheckpointQuant) -> dict[s
             out.update(quantized)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    for name in [n for n in out if n.endswith(_DENSE_ONLY_SUFFIXES)]:
+    for name in [n for n in out if n.endswith(DENSE_ONLY_SUFFIXES)]:
         if isinstance(out[name], Int4Weight | Fp8Weight | Fp8BlockWeight):
             out[name] = out[name].dequantize()
     return out

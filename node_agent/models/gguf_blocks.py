@@ -60,3 +60,9 @@ def permute_rows(w: Int4Weight, order: torch.Tensor) -> Int4Weight:
         None if w.zeros is None else w.zeros[order].contiguous(),
         None if w.mins is None else w.mins[order].contiguous(),
     )
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaved-RoPE row permutation of q/k weights (back to HF layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -222,3 +222,34 @@ def gguf_tokenizer(model_dir: str, gguf_file: str):
         if "is not supported yet" not in str(exc):
             raise
         return PreTrainedTokenizerFast.from_pretrained(model_dir, gguf_file=gguf_file)
+
+
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a dense model's GGUF tensor (None: an MoE, MLA or unknown one)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if not name.startswith("blk."):
+        return None
+    _, idx, rest = name.split(".", 2)
+    base, _, suffix = rest.partition(".")
+    hf = GGUF_LAYER_NAMES.get(base)
+    return None if hf is None else f"model.layers.{idx}.{hf}.{suffix}"

@@ -13,6 +13,7 @@ from pagoda.kernels.fp8_format import amax_scale, quantize_fp8
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.kernels.linear import DEFAULT_INT4_COMPUTE, Fp8Linear, LinearWeight, make_linear_weight
 from pagoda.kernels.selector import KernelSelection
+from pagoda.node_agent.models.lazy_tensor import LazyTensor
 from pagoda.node_agent.models.parallel import ColumnShard
 from pagoda.node_agent.models.step_ops import OPS, rms_norm
 from pagoda.vocabulary import STORED
@@ -38,6 +39,8 @@ def prequantized_format(w: object) -> str | None:
     INT4 groups or FP8 blocks), None for a tensor."""
     if isinstance(w, Int4Weight):
         return "int4"
+    if isinstance(w, LazyTensor):  # a prequantized layer not read yet (deferred_quant)
+        return w.quantized_as
     return "fp8" if isinstance(w, Fp8Weight | Fp8BlockWeight) else None
 
 

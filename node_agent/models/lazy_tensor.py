@@ -99,9 +99,28 @@ class LazyTensor:
             if step != 1:
                 raise ValueError(f"{self.key}: a deferred slice takes step 1, got {step}")
             bounds[d] = (a + start, a + max(start, stop))
-        return LazyTensor(
-            self.file, self.key, self.stored_dtype, tuple(bounds), self.to_float, self.full_shape
-        )
+        return dataclasses.replace(self, bounds=tuple(bounds))
+
+    @property
+    def int4_group(self) -> int:
+        """The INT4 group of a tensor read as an Int4Weight (a column slice keeps it whole); 0: none."""
+        return 0
+
+    @property
+    def quantized_as(self) -> str | None:
+        """The prequantized format a read gives ("int4", "fp8"), None for a float tensor."""
+        return None
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The (rows, cols) block of a tensor read as an Fp8BlockWeight; None: none."""
+        return None
+
+    def open(self):
+        """A context manager giving the handle ``read`` takes (a ``safe_open`` of ``file``)."""
+        from safetensors import safe_open
+
+        return safe_open(self.file, framework="pt")
 
     def read(self, handle) -> torch.Tensor:
         """This slice from an open ``safe_open`` handle of ``file``, converted."""
@@ -128,9 +147,7 @@ def deferred(w: object) -> list[LazyTensor]:
 
 def read_now(w: LazyTensor) -> torch.Tensor:
     """One deferred tensor read at once (opens its file for this read)."""
-    from safetensors import safe_open
-
-    with safe_open(w.file, framework="pt") as h:
+    with w.open() as h:
         return w.read(h)
 
 
@@ -140,23 +157,23 @@ def materialize(
     """``weights`` with every deferred tensor read (also a wrapper's deferred ``weight``, e.g. a
     ColumnShard): one shard file open at a time, tensor by tensor, in the file's order. Other values
     pass through. One log line per shard file (``progress`` gets it too)."""
-    from safetensors import safe_open
-
     by_file: dict[str, list[str]] = {}
+    opener: dict[str, LazyTensor] = {}
     for name, w in weights.items():
         for lt in deferred(w):
             by_file.setdefault(lt.file, []).append(name)
+            opener.setdefault(lt.file, lt)
     out = dict(weights)
     for n, (file, names) in enumerate(sorted(by_file.items()), 1):
         t0, nbytes = time.perf_counter(), 0
-        with safe_open(file, framework="pt") as h:
+        with opener[file].open() as h:
             for name in names:
                 w = out[name]
                 if isinstance(w, LazyTensor):
                     out[name] = t = w.read(h)
                 else:  # a wrapper: read its weight in place
                     w.weight = t = w.weight.read(h)  # type: ignore[attr-defined]
-                nbytes += t.numel() * t.element_size()
+                nbytes += int(t.nbytes)
         line = (
             f"shard {n}/{len(by_file)} {file.rsplit('/', 1)[-1]}: {len(names)} tensors, "
             f"{nbytes / 2**20:.1f} MiB held, {time.perf_counter() - t0:.2f} s"

@@ -20,8 +20,12 @@ import numpy as np
 import torch
 
 from pagoda.kernels.int4 import Int4Weight
-from pagoda.node_agent.models.cache import read_cache, write_cache
-from pagoda.node_agent.models.checkpoint_formats import convert_checkpoint, parse_quantization_config
+from pagoda.node_agent.models.cache import cached_tokenizer, read_cache, write_cache
+from pagoda.node_agent.models.checkpoint_formats import (
+    DENSE_ONLY_SUFFIXES,
+    convert_checkpoint,
+    parse_quantization_config,
+)
 from pagoda.node_agent.models.config import (
     GGUF_MOE_ARCHITECTURES,
     MLP_NAMES,
@@ -33,10 +37,14 @@ from pagoda.node_agent.models.config import (
     config_from_hf,
     family_of,
 )
+from pagoda.node_agent.models.deferred_quant import defer_quantized_layers
 from pagoda.node_agent.models.gguf_blocks import EXACT_INT4_TYPES, int4_from_gguf, permute_rows
+from pagoda.node_agent.models.gguf_blocks import unpermute_rope as _unpermute_rope
+from pagoda.node_agent.models.gguf_lazy import deferred_gguf_weights
 from pagoda.node_agent.models.gguf_names import (
     GGUF_MOE_BASES,
     GGUF_MOE_FAMILIES,
+    gguf_to_hf_name,
     join_kv_b,
     mla_from_gguf,
     moe_config_from_gguf,
@@ -109,30 +117,17 @@ def load_model(source: str, part: tuple[int, int] | None = None, lazy: bool = Fa
     ``part``: (rank, world) of a tensor-parallel rank, whose Hugging Face directory load lists only
     its own routed experts (expert parallelism; the others are never read). ``lazy``: the weights of
     a directory stored dense stay LazyTensors, for the shard plan to narrow and
-    ``lazy_tensor.materialize`` to read (the engine's path, at every degree). A prequantized
-    directory (FP8 blocks, INT4 groups, a `pagoda quantize` output) reads its listed tensors whole
-    and converts them; a GGUF file is read whole."""
+    ``lazy_tensor.materialize`` to read (the engine's path, at every degree), and so do the
+    quantized layers of a prequantized one (deferred_quant; its routed experts are read and
+    converted at once, as is a `pagoda quantize` output). A GGUF file is decoded whole, except for a
+    ``lazy`` rank of several, whose tensors stay deferred (gguf_lazy)."""
     kind, path = resolve_source(source)
     if kind == "gguf":
-        return _load_gguf(source, path)
+        return _load_gguf(source, path, part if lazy else None)
     return _load_hf_dir(source, path, part, lazy)
 
 
 # ---------------------------------------------------------------- GGUF
-
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 def _field(reader, key: str, default=None):
@@ -142,13 +137,15 @@ def _field(reader, key: str, default=None):
     return f.contents()
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaved-RoPE row permutation of q/k weights (back to HF layout)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _load_gguf(source: str, path: Path) -> LoadedModel:
+def _load_gguf(source: str, path: Path, part: tuple[int, int] | None) -> LoadedModel:
+    """A GGUF model: read whole through the decoded-model cache, except for a rank of several
+    (``part``), whose tensors stay deferred (gguf_lazy) so that it dequantizes only its slices."""
+    if part is not None and part[1] > 1:
+        loaded = _decode_gguf(source, path, part)
+        tok_dir = cached_tokenizer(path)
+        if tok_dir is not None:
+            loaded.tokenizer_dir, loaded.gguf_file = tok_dir, None
+        return loaded
     hit = read_cache(path)
     if hit is not None:
         cfg, weights, tok_dir = hit
@@ -160,7 +157,9 @@ def _load_gguf(source: str, path: Path) -> LoadedModel:
     return loaded
 
 
-def _decode_gguf(source: str, path: Path) -> LoadedModel:
+def _decode_gguf(source: str, path: Path, part: tuple[int, int] | None = None) -> LoadedModel:
+    """Config and weights of a GGUF file: every tensor dequantized, or with ``part`` (rank, world)
+    deferred GgufTensors of the tensors and experts that rank lists."""
     import gguf  # local: only needed for GGUF sources
 
     try:
@@ -222,6 +221,8 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         mla=mla,
         rope_scaling=rope_scaling,
     )
+    if part is not None:
+        return _deferred_gguf(source, path, cfg, tensors, part)
     weights: dict[str, torch.Tensor | Int4Weight] = {}
     split_kv_b: dict[str, dict[str, torch.Tensor]] = {}  # layer -> attn_k_b / attn_v_b
     requantized: set[str] = set()  # block types an INT4 decode phase must re-quantize
@@ -230,7 +231,7 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         if block.isdigit() and int(block) >= n_layers:
             log.debug("ignoring GGUF tensor %s (multi-token-prediction block)", name)
             continue
-        hf = _gguf_to_hf_name(name)
+        hf = gguf_to_hf_name(name)
         exact = _exact_int4(name, hf, t, fam, heads, kv_heads, path, mla is not None)
         if exact is not None:
             weights[hf] = exact
@@ -271,6 +272,26 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
         weights[f"model.layers.{block}.self_attn.kv_b_proj.weight"] = join_kv_b(
             parts["attn_k_b"], parts["attn_v_b"], mla, f"{path}: blk.{block}"
         )
+    _warn_requantized(path, requantized)
+    _check_weights(cfg, weights, str(path))
+    return LoadedModel(source, cfg, weights, str(path.parent), path.name)
+
+
+def _deferred_gguf(
+    source: str, path: Path, cfg: ModelConfig, tensors: dict, part: tuple[int, int]
+) -> LoadedModel:
+    """A rank's GGUF weights, deferred: its routed experts only, every other tensor whole until the
+    shard plan narrows it."""
+    experts = split_range(cfg.moe.num_experts, part[1])[part[0]] if cfg.moe is not None else None
+    weights, requantized = deferred_gguf_weights(
+        str(path), tensors, cfg.arch, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers, cfg.mla, experts
+    )
+    _warn_requantized(path, requantized)
+    _check_weights(cfg, weights, str(path), _expert_filter(cfg, part))
+    return LoadedModel(source, cfg, weights, str(path.parent), path.name)
+
+
+def _warn_requantized(path: Path, requantized: set[str]) -> None:
     if requantized:
         log.warning(
             "%s: linear weights stored as %s are dequantized to float32; an INT4 decode phase "
@@ -279,8 +300,6 @@ def _decode_gguf(source: str, path: Path) -> LoadedModel:
             ", ".join(sorted(requantized)),
             " and ".join(EXACT_INT4_TYPES),
         )
-    _check_weights(cfg, weights, str(path))
-    return LoadedModel(source, cfg, weights, str(path.parent), path.name)
 
 
 def _exact_int4(
@@ -315,21 +334,6 @@ def _gguf_moe_tensor(name: str, arr: np.ndarray) -> dict[str, torch.Tensor] | No
     return moe_tensor_to_hf(idx, base, suffix, torch.from_numpy(np.array(arr, copy=True)))
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output_norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    if not name.startswith("blk."):
-        return None
-    _, idx, rest = name.split(".", 2)
-    base, _, suffix = rest.partition(".")
-    hf = _GGUF_LAYER_NAMES.get(base)
-    return None if hf is None else f"model.layers.{idx}.{hf}.{suffix}"
-
-
 # ---------------------------------------------------------------- HF directory
 
 
@@ -353,7 +357,8 @@ def _load_hf_dir(source: str, path: Path, part: tuple[int, int] | None, lazy: bo
     weights: dict[str, torch.Tensor] = _list_tensors(files, listed, ckpt_quant is not None, stored)
     if not lazy or manifest is not None:
         eager = weights
-    elif ckpt_quant is not None:  # its quantized layers are converted whole; the rest stays deferred
+    elif ckpt_quant is not None:  # quantized layers deferred too (deferred_quant), experts read whole
+        weights = defer_quantized_layers(weights, ckpt_quant, DENSE_ONLY_SUFFIXES)
         eager = {k: weights[k] for k in _quantized_layers(weights)}
     else:
         eager = {}
@@ -400,7 +405,8 @@ def _list_tensors(
 def _quantized_layers(weights: dict[str, LazyTensor]) -> set[str]:
     """The tensors of a prequantized checkpoint's quantized layers: every tensor of a layer that
     stores more than a weight and a bias (scales, packed values, zero points, group indices) or an
-    integer or FP8 one. The checkpoint's converter reads those whole."""
+    integer or FP8 one: the ones deferred_quant did not defer (routed experts), which the
+    checkpoint's converter reads whole."""
     layers: dict[str, list[str]] = {}
     for k in weights:
         layers.setdefault(k.rsplit(".", 1)[0], []).append(k)

@@ -251,9 +251,11 @@ def take_cols(w, start: int, end: int):
 def column_shard(w, start: int, end: int, need_amax: bool, name: str = "") -> ColumnShard:
     """Columns [start, end) of ``w`` that remember the whole row (``name``: the weight's, for errors)."""
     amax = None
-    if need_amax and not isinstance(w, Fp8Weight | Fp8BlockWeight):
+    fp8 = isinstance(w, Fp8Weight | Fp8BlockWeight) or (isinstance(w, LazyTensor) and w.fp8_block)
+    if need_amax and not fp8:
         if isinstance(w, LazyTensor):  # the whole row's amax: one tensor read and dropped
-            dense = read_now(w)
+            w_read = read_now(w)
+            dense = w_read if isinstance(w_read, torch.Tensor) else w_read.dequantize()
         else:
             dense = w if isinstance(w, torch.Tensor) else w.dequantize()
         amax = dense.detach().float().abs().amax(dim=1)
@@ -270,7 +272,12 @@ def int4_unit(w, formats: set[str], preferred: int | None) -> int:
     grouped)."""
     if isinstance(w, Int4Weight):
         return w.group_size
-    unit = w.block[1] if isinstance(w, Fp8BlockWeight) else 1
+    if isinstance(w, LazyTensor) and w.int4_group:  # read as an Int4Weight (GGUF Q4_0 / Q4_1)
+        return w.int4_group
+    if isinstance(w, Fp8BlockWeight):
+        unit = w.block[1]
+    else:
+        unit = w.fp8_block[1] if isinstance(w, LazyTensor) and w.fp8_block else 1
     if "int4" in formats:
         return math.lcm(unit, pick_group_size(_cols(w), preferred or 128))
     return unit

@@ -37,3 +37,22 @@ def test_bench_load_reports_every_rank(tmp_path) -> None:
     for r in rows["sharded", 2]["ranks"]:  # half of it, with the replicated norms and routers
         assert 0.45 * whole < r["held_bytes"] < 0.6 * whole
     check_png(out)
+
+
+@pytest.mark.slow  # fresh rank processes importing torch, like the test above
+def test_bench_load_gguf_reports_every_rank(tmp_path) -> None:
+    """The GGUF variant: a qwen3moe file loaded the whole way and per rank; each rank of two holds
+    half of the float32 weights (the replicated norms and routers beside), one rank all of them."""
+    out = tmp_path / "load.json"
+    argv = ["bench", "load", "--gguf", "--size-mib", "4", "--hidden", "128", "--experts", "8"]
+    argv += ["--vocab", "512", "--tp", "1,2", "--json", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["gguf"] and res["checkpoint"]["files"] == 1
+    assert res["weights_float32_bytes"] == 4 * res["checkpoint"]["params"]
+    rows = {(r["mode"], r["tp"]): r for r in res["rows"]}
+    assert set(rows) == {("gguf-whole", 1), ("gguf-sharded", 1), ("gguf-sharded", 2)}
+    whole = rows["gguf-whole", 1]["ranks"][0]["held_bytes"]
+    assert whole == rows["gguf-sharded", 1]["ranks"][0]["held_bytes"] == res["weights_float32_bytes"]
+    for r in rows["gguf-sharded", 2]["ranks"]:
+        assert 0.45 * whole < r["held_bytes"] < 0.6 * whole

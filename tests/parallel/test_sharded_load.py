@@ -139,8 +139,13 @@ def fp8_block_dir(tiny_model_dir, tmp_path_factory):
 
 
 def test_fp8_block_checkpoint_ranks_read_their_experts_and_dense_slices(fp8_block_dir, monkeypatch):
-    """A prequantized checkpoint: its FP8 layers convert whole (then sliced at block boundaries), its
-    dense tensors (embeddings, LM head, norms, routers) read as slices, its other rank's experts never."""
+    """A prequantized checkpoint: its FP8 layers are read as slices of their e4m3 values and scale
+    blocks (rows from the start of their first block, columns on block edges) and converted per
+    rank, its dense tensors (embeddings, LM head, norms, routers) read as slices, its other rank's
+    experts never (its own converted whole: they are not sliced)."""
+    from pagoda.node_agent.models.deferred_quant import DeferredQuant
+    from tests.formats.test_fp8_block_checkpoint import BLOCK
+
     path = str(fp8_block_dir)
     whole = load_model(path)
     formats = {"fp8", "int4"}
@@ -150,16 +155,32 @@ def test_fp8_block_checkpoint_ranks_read_their_experts_and_dense_slices(fp8_bloc
         reads = _record_reads(monkeypatch)
         lazy = load_model(path, part=(rank, 2), lazy=True)
         assert isinstance(lazy.weights["model.embed_tokens.weight"], LazyTensor)
-        assert isinstance(lazy.weights["model.layers.1.mlp.shared_experts.down_proj.weight"], Fp8BlockWeight)
+        assert isinstance(lazy.weights["model.layers.1.mlp.shared_experts.down_proj.weight"], DeferredQuant)
+        assert "model.layers.1.mlp.shared_experts.down_proj.weight_scale_inv" not in lazy.weights
+        experts = [w for n, w in lazy.weights.items() if ".mlp.experts." in n and n.endswith("proj.weight")]
+        assert experts and all(isinstance(w, Fp8BlockWeight) for w in experts)
+        load_reads = list(reads)
+        reads.clear()  # the experts' whole reads are the load's; the rest is the plan's
         plan, got = rank_weights(lazy.weights, lazy.config, rank, 2, formats, None)
         assert sorted(got) == sorted(want)
         for name in want:
             _same(got[name], want[name], name)
         bounds = dict(reads)
         assert bounds["lm_head.weight"] == (plan.vocab, (0, lazy.config.hidden_size))
+        h, (s0, s1) = lazy.config.hidden_size, plan.shared_intermediate
+        down = "model.layers.1.mlp.shared_experts.down_proj.weight"
+        assert bounds[down] == ((0, h), (s0, s1))
+        assert bounds[down + "_scale_inv"] == ((0, -(-h // BLOCK)), (s0 // BLOCK, -(-s1 // BLOCK)))
+        mla = lazy.config.mla
+        per = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        q0, q1 = plan.q_heads[0] * per, plan.q_heads[1] * per
+        rows = bounds["model.layers.0.self_attn.q_b_proj.weight"][0]
+        assert rows == (q0 - q0 % BLOCK, q1)  # from its first block's start: less than a block more
         e0, e1 = plan.experts
         read_experts = {
-            int(k.split(".mlp.experts.")[1].split(".")[0]) for k, _ in reads if ".mlp.experts." in k
+            int(k.split(".mlp.experts.")[1].split(".")[0])
+            for k, _ in load_reads + reads
+            if ".mlp.experts." in k
         }
         assert read_experts == set(range(e0, e1))
 
