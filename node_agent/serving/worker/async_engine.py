@@ -83,6 +83,12 @@ def lower_thread_priority(step: int = TOKENIZE_NICE) -> None:
         pass
 
 
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On an event loop: hand one step's outputs to their requests' queues."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class EngineDead(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
@@ -513,6 +519,7 @@ class AsyncEngine:
             self._fail_all(f"engine step failed: {exc}")
             return
         now = time.perf_counter()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outs:
             live = self._live.get(out.request_id)
             if live is None:
@@ -521,7 +528,12 @@ class AsyncEngine:
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._finish(live, "error" if out.error else out.finish_reason or "stop", out)
-            self._deliver(live, out)
+            by_loop.setdefault(live.loop, []).append((live.queue, out))
+        for loop, items in by_loop.items():  # one wake-up of each event loop per step, not per stream
+            try:
+                loop.call_soon_threadsafe(_put_each, items)
+            except RuntimeError:
+                pass  # the clients' event loop is gone
         if not outs and self.engine.stats.steps == steps:
             if self.engine.stalled():
                 self._fail_all("the engine stalled with unfinished requests")
