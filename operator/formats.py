@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMATS, handoff_allowed
+from pagoda.vocabulary import INTEGRITY_MODES, KV_CACHE_FORMATS, WEIGHT_FORMAT_CHOICES, handoff_allowed
 
 from .spec import POOLS, Pool, Spec
 
@@ -60,11 +60,11 @@ def check(spec: Spec) -> list[Problem]:
         problems.append(Problem("InvalidModel", "spec.model.source is empty"))
     for name in POOLS:
         pool = spec.pool(name)
-        if pool.weight_format not in WEIGHT_FORMATS:
+        if pool.weight_format not in WEIGHT_FORMAT_CHOICES:
             problems.append(
                 Problem(
                     "UnknownFormat",
-                    f"{name}.weightFormat {pool.weight_format!r} is not one of {WEIGHT_FORMATS}",
+                    f"{name}.weightFormat {pool.weight_format!r} is not one of {WEIGHT_FORMAT_CHOICES}",
                 )
             )
         if pool.kv_cache_format not in KV_CACHE_FORMATS:
@@ -77,6 +77,8 @@ def check(spec: Spec) -> list[Problem]:
         if pool.replicas < 0:
             problems.append(Problem("InvalidReplicas", f"{name}.replicas must be >= 0"))
         problems += _parallelism(name, pool)
+    # auto prefill is served: it resolves to fp8, or to stored on a pre-quantized checkpoint, which
+    # keeps the checkpoint's own INT4 layers as an explicit ``stored`` prefill does.
     if spec.prefill.weight_format == "int4":
         problems.append(
             Problem(

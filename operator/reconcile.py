@@ -14,6 +14,7 @@ from typing import Any
 
 from pagoda.agent_lease import renew_times
 from pagoda.agent_report import format_time, parse_time
+from pagoda.vocabulary import SOURCE_DEFAULT
 
 from . import children, credentials, formats, lws_support, mismatch_decay, ownership, quality_gate, rollout
 from .apply import ensure, removals
@@ -28,6 +29,7 @@ from .status import (
     pool_figures,
     quality_of,
     reports_of,
+    resolved_weights,
     split,
     window,
 )
@@ -563,11 +565,14 @@ def _pool_status(
     figures: Obj,
     rate: float | None,
     groups: list[tuple[str, int]] | None,
+    resolved: str | None = None,
 ) -> Obj:
     """``status.<pool>``. Replicas are whole replicas: for a multi-node pool, LeaderWorkerSet groups
     (ready when every pod of the group is), with the group size and how many groups have pods
-    not all ready."""
+    not all ready. ``formats`` shows ``auto`` weights as the agents report them resolved
+    (``resolved``), ``auto`` until one has."""
     pool = spec.pool(role)
+    weights = resolved if pool.weight_format == SOURCE_DEFAULT and resolved else pool.weight_format
     ready = _replicas(dep, "readyReplicas")
     want = desired_replicas(spec, role, dep)
     out: Obj = {
@@ -575,7 +580,7 @@ def _pool_status(
         "currentReplicas": _replicas(dep, "replicas"),
         "readyReplicas": ready,
         "ready": f"{ready}/{want}",
-        "formats": f"{pool.weight_format}/{pool.kv_cache_format}",
+        "formats": f"{weights}/{pool.kv_cache_format}",
         **figures,
     }
     if rate is not None:  # None: no checks for a whole window, the rate is unknown
@@ -695,7 +700,15 @@ async def reconcile(
     owned: Obj = {
         "conditions": rendered,
         **{
-            p: _pool_status(p, spec, deps[p], pools[p], rates[p], groups.get(p))
+            p: _pool_status(
+                p,
+                spec,
+                deps[p],
+                pools[p],
+                rates[p],
+                groups.get(p),
+                resolved_weights(p, pods, agents.fresh, children.formats_generation(spec)),
+            )
             for p in ("prefill", "decode")
         },
         "router": {

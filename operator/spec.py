@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.vocabulary import PHASE_DEFAULTS, PHASES
+from pagoda.vocabulary import PHASE_DEFAULTS, PHASES, SOURCE_DEFAULT
 
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
@@ -76,7 +76,7 @@ class Pool:
     """One engine pool (prefill or decode)."""
 
     replicas: int = 1
-    weight_format: str = "fp8"
+    weight_format: str = SOURCE_DEFAULT  # auto: the engine picks per source (CRD description)
     kv_cache_format: str = "bf16"
     tensor_parallel: int = 1
     gpus: int = 1  # per pod: 0 is a CPU pool, else the pod's ranks (tensor_parallel / nodes_per_replica)
@@ -94,6 +94,9 @@ class Pool:
     disruption_budget: DisruptionBudget = field(default_factory=DisruptionBudget)
     startup_s: int = 900
     pod_template: dict[str, Any] = field(default_factory=dict)
+    # What ``auto`` weights resolve to on a source not released quantized (PHASE_DEFAULTS); on a
+    # pre-quantized one they resolve to ``stored``. Fixed per pool, not read from the spec.
+    auto_weight_format: str = PHASE_DEFAULTS["prefill"]["weights"]
 
     @property
     def multi_node(self) -> bool:
@@ -107,12 +110,15 @@ class Pool:
 
     @property
     def uses_fp8(self) -> bool:
-        """True when either format of this pool is an FP8 one."""
-        return self.weight_format == "fp8" or self.kv_cache_format == "fp8_e4m3"
+        """True when either format of this pool is (or may be) an FP8 one: ``auto`` weights count as
+        what they resolve to on a dense source (fp8 for prefill), the operator not reading the source."""
+        weights = self.auto_weight_format if self.weight_format == SOURCE_DEFAULT else self.weight_format
+        return weights == "fp8" or self.kv_cache_format == "fp8_e4m3"
 
 
 POOL_DEFAULTS = {
-    pool: {"weight_format": d["weights"], "kv_cache_format": d["kv"]} for pool, d in PHASE_DEFAULTS.items()
+    pool: {"weight_format": SOURCE_DEFAULT, "kv_cache_format": d["kv"], "auto_weight_format": d["weights"]}
+    for pool, d in PHASE_DEFAULTS.items()
 }
 
 
@@ -307,6 +313,7 @@ def _pool(raw: dict[str, Any] | None, name: str) -> Pool:
         disruption_budget=_budget(raw.get("disruptionBudget")),
         startup_s=int(raw.get("startupSeconds", d.startup_s)),
         pod_template=dict(raw.get("podTemplate") or {}),
+        auto_weight_format=d.auto_weight_format,
     )
 
 

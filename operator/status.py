@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, format_time, from_annotation, parse_time
+from pagoda.vocabulary import WEIGHT_FORMATS
 
 from .spec import POOLS
 
 POOL_LABEL = "pagoda.dev/pool"  # as children.POOL_LABEL
+FORMATS_LABEL = "pagoda.dev/formats"  # as children.FORMATS_LABEL: the pod's format generation
 # Set by the LeaderWorkerSet controller on the pods of a multi-node pool (as in children).
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
@@ -157,6 +159,25 @@ def pool_figures(pool: str, fresh: Reports, stale: Reports) -> Obj:
         "readyAgents": sum(1 for r in mine if r.ready),
         "staleAgents": sum(1 for r in stale.values() if r.pool == pool),
     }
+
+
+def resolved_weights(pool: str, pods: list[Obj], fresh: Reports, generation: str) -> str | None:
+    """The weight format the fresh agents of ``pool`` in format generation ``generation`` report for
+    their phase: what ``auto`` resolved to on this source. None while none reports one, or when
+    they differ (only pods of the serving generation count, not the other pair of a blue/green)."""
+    seen: set[str] = set()
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        report = fresh.get(meta.get("name", ""))
+        if report is None or report.pool != pool or labels.get(POOL_LABEL) != pool:
+            continue
+        if labels.get(FORMATS_LABEL) != generation:
+            continue
+        value = getattr(report.formats, f"{pool}_weights", "")
+        if value in WEIGHT_FORMATS:  # a peer's value: only a format the engine can run counts
+            seen.add(value)
+    return next(iter(seen)) if len(seen) == 1 else None
 
 
 def _delta(current: int, base: int) -> int:

@@ -13,6 +13,8 @@ WEIGHT_FORMATS = ("bf16", "fp8", "int4", STORED)
 # (compressed-tensors, GPTQ, AWQ, FP8 blocks), PHASE_DEFAULTS otherwise (GGUF files included: an
 # INT4 prefill from a Q4 GGUF would undo the FP8 prefill the phases are built on).
 SOURCE_DEFAULT = "auto"
+# What a weight format setting (the CLI flags, the CRD enum) may name: a format, or auto.
+WEIGHT_FORMAT_CHOICES = (*WEIGHT_FORMATS, SOURCE_DEFAULT)
 KV_CACHE_FORMATS = ("bf16", "fp8_e4m3", "int8")  # per-phase KV page formats
 INTEGRITY_MODES = ("enforce", "audit", "off")
 PHASES = ("prefill", "decode")  # also the operator's pool names

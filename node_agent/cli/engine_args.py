@@ -18,7 +18,8 @@ from pagoda.vocabulary import (
     INT4_COMPUTES,
     INTEGRITY_MODES,
     KV_CACHE_FORMATS,
-    WEIGHT_FORMATS,
+    SOURCE_DEFAULT,
+    WEIGHT_FORMAT_CHOICES,
 )
 
 DEFAULT_MODEL = "builtin://smollm2-135m"
@@ -36,14 +37,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="weights/activations/KV precision (float32 is the reference precision)",
     )
     p.add_argument("--device", default="auto")
-    p.add_argument("--prefill-weights", choices=WEIGHT_FORMATS, default=None)
+    p.add_argument(
+        "--prefill-weights",
+        choices=WEIGHT_FORMAT_CHOICES,
+        default=None,
+        help="prefill weights; auto (as leaving the flag out): stored for a checkpoint released "
+        "quantized, else fp8",
+    )
     p.add_argument(
         "--prefill-kv",
         choices=KV_CACHE_FORMATS,
         default=None,
         help="prefill KV pages (default bf16)",
     )
-    p.add_argument("--decode-weights", choices=WEIGHT_FORMATS, default=None)
+    p.add_argument(
+        "--decode-weights",
+        choices=WEIGHT_FORMAT_CHOICES,
+        default=None,
+        help="decode weights; auto (as leaving the flag out): stored for a checkpoint released "
+        "quantized, else int4",
+    )
     p.add_argument(
         "--decode-kv",
         choices=KV_CACHE_FORMATS,
@@ -205,15 +218,15 @@ def itl_target_ms(text: str) -> float | None:
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the engine flags describe (float32 alone means reference formats)."""
-    explicit = any(
-        getattr(a, n, None) for n in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv")
-    )
+    """The EngineConfig the engine flags describe (float32 alone means reference formats).
+
+    A weights flag set to ``auto`` is the flag left out (the operator passes it so)."""
+    names = ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv")
+    given = {n: v for n in names if (v := getattr(a, n, None)) and v != SOURCE_DEFAULT}
     # float32 is the reference precision: dense weights and KV unless formats are asked for
-    f = PhaseFormats.reference() if a.dtype == "float32" and not explicit else PhaseFormats()
-    for name in ("prefill_weights", "prefill_kv", "decode_weights", "decode_kv"):
-        if getattr(a, name, None):
-            setattr(f, name, getattr(a, name))
+    f = PhaseFormats.reference() if a.dtype == "float32" and not given else PhaseFormats()
+    for name, value in given.items():
+        setattr(f, name, value)
     return EngineConfig(
         model=a.model,
         dtype=a.dtype,

@@ -77,8 +77,14 @@ def test_cli_leaves_unnamed_weights_to_the_source():
     assert (f.prefill_weights, f.decode_weights) == ("auto", "int4")
     f = engine_config_from_args(p.parse_args(["--dtype", "float32"])).formats  # the reference formats
     assert (f.prefill_weights, f.decode_weights) == ("bf16", "bf16")
-    with pytest.raises(SystemExit):  # auto is the absence of a flag, not a value to pass
-        p.parse_args(["--decode-weights", "auto"])
+    # auto named (as the operator passes it) is the flag left out, the float32 reference included
+    for argv in ([], ["--decode-kv", "bf16"], ["--dtype", "float32"], ["--decode-weights", "int4"]):
+        unset = [f"--{ph}-weights" for ph in ("prefill", "decode") if f"--{ph}-weights" not in argv]
+        for flags in [[u] for u in unset] + [unset]:
+            named = [*argv, *(x for flag in flags for x in (flag, "auto"))]
+            assert engine_config_from_args(p.parse_args(named)) == engine_config_from_args(p.parse_args(argv))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--decode-weights", "int3"])
     with pytest.raises(ConfigError, match="auto"):
         PhaseFormats(decode_weights="int3").validate()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from op_schema import admit, example
 
+from pagoda.node_agent.cli.engine_args import engine_config_from_args
 from pagoda.node_agent.cli.main import build_parser
 from pagoda.operator import children
 from pagoda.operator.config import Config
@@ -76,3 +77,30 @@ def test_multi_node_args_parse_as_pagoda_serve(worker: bool) -> None:
     args = lws["spec"]["leaderWorkerTemplate"][key]["spec"]["containers"][0]["args"]
     ns = build_parser().parse_args(args)
     assert (ns.tensor_parallel, ns.nodes, ns.dist_port) == (4, 2, children.DIST_PORT)
+
+
+@pytest.mark.parametrize(
+    ("pools", "weights"),
+    [
+        ({}, ("auto", "auto")),  # the CRD default
+        ({"prefill": {"weightFormat": "bf16"}, "decode": {"weightFormat": "int4"}}, ("bf16", "int4")),
+        ({"prefill": {"weightFormat": "stored"}}, ("stored", "auto")),
+    ],
+)
+def test_weight_formats_reach_the_engine_config_as_in_the_spec(pools: dict, weights: tuple) -> None:
+    """The engines' command lines name each phase's weight format, auto included, and `pagoda serve`
+    builds the EngineConfig the spec asks for: auto is the engine's own default (the flag left out),
+    which it resolves per source when it builds."""
+    s = parse(admit(example("m", **pools))["spec"])
+    for role in ("prefill", "decode"):
+        args = children.agent_args(s, role, "m", "ns")
+        assert args[args.index("--prefill-weights") + 1] == weights[0]
+        assert args[args.index("--decode-weights") + 1] == weights[1]
+        f = engine_config_from_args(build_parser().parse_args(args)).formats
+        assert (f.prefill_weights, f.decode_weights) == weights
+        flags = {"--prefill-weights", "--decode-weights"}
+        bare = [a for i, a in enumerate(args) if a not in flags and args[i - 1] not in flags]
+        left_out = engine_config_from_args(build_parser().parse_args(bare)).formats
+        for phase, fmt in zip(("prefill", "decode"), weights, strict=True):
+            if fmt == "auto":  # the same config as without the flag
+                assert getattr(f, f"{phase}_weights") == getattr(left_out, f"{phase}_weights") == "auto"

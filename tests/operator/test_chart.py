@@ -263,3 +263,16 @@ def test_chart_examples_are_valid_modeldeployments() -> None:
     for path in (CHART / "examples").glob("*.yaml"):
         stored = admit(yaml.safe_load(path.read_text()))
         assert stored["kind"] == "ModelDeployment"
+
+
+def test_the_crd_helm_installs_defaults_weight_formats_to_auto(chart: helm_python.Chart) -> None:
+    """The CRD as Helm loads it from the chart: a ModelDeployment naming no weight format gets auto
+    in both pools (the engine then picks per source), one naming a format keeps it."""
+    crd = yaml.safe_load(chart.crds[0]["data"])
+    body = yaml.safe_load((CHART / "examples" / "cpu-trial.yaml").read_text())
+    named = admit(body, crd)["spec"]
+    for pool in ("prefill", "decode"):
+        del body["spec"][pool]["weightFormat"]
+    stored = admit(body, crd)["spec"]
+    assert stored["prefill"]["weightFormat"] == stored["decode"]["weightFormat"] == "auto"
+    assert (named["prefill"]["weightFormat"], named["decode"]["weightFormat"]) == ("bf16", "int4")

@@ -95,7 +95,22 @@ def test_gpu_pools_request_gpus_and_fp8_pools_get_node_affinity() -> None:
     assert term == [{"matchExpressions": [{"key": "example.com/gpu", "operator": "In", "values": ["true"]}]}]
     assert "affinity" not in prefill  # bf16/bf16 runs on any GPU
     default = build(decode={"gpus": 1})["Deployment/m-decode"]["spec"]["template"]["spec"]
-    assert "affinity" not in default  # int4 weights and int8 KV need no FP8 hardware
+    assert "affinity" not in default  # auto decode weights (int4 or stored) and int8 KV: no FP8 needed
+
+
+@pytest.mark.parametrize(
+    ("prefill", "fp8"),
+    [("auto", True), ("fp8", True), ("stored", False), ("bf16", False)],
+)
+def test_auto_prefill_weights_are_placed_as_fp8(prefill: str, fp8: bool) -> None:
+    """auto prefill weights resolve to fp8 on a dense or GGUF source (the operator does not read the
+    source), so the pool gets the FP8 node requirement; an explicit stored prefill does not."""
+    spec = {"gpus": 1, "weightFormat": prefill, "kvCacheFormat": "bf16"}
+    pod = build(prefill=spec)["Deployment/m-prefill"]["spec"]["template"]["spec"]
+    assert ("affinity" in pod) == fp8
+    if fp8:
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"][0]["matchExpressions"][-1]["key"] == "example.com/gpu"
 
 
 def test_fp8_placement_by_compute_capability_needs_8_9_or_later() -> None:
@@ -184,11 +199,11 @@ def test_agent_args_follow_the_contract() -> None:
         "--port",
         "8000",
         "--prefill-weights",
-        "fp8",
+        "auto",  # the CRD default: the engine picks per source, as with the flag left out
         "--prefill-kv",
         "bf16",
         "--decode-weights",
-        "int4",
+        "auto",
         "--decode-kv",
         "int8",
         "--integrity",

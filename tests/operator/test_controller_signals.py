@@ -11,10 +11,11 @@ import pytest
 from fake_kube import FakeKube
 from op_schema import admit, example
 
-from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, IntegrityReport, to_annotation
-from pagoda.operator import lws_support, rollout
+from pagoda.agent_report import REPORT_ANNOTATION, AgentReport, IntegrityReport, PhaseFormats, to_annotation
+from pagoda.operator import children, lws_support, rollout
 from pagoda.operator.config import Config
 from pagoda.operator.reconcile import reconcile
+from pagoda.operator.spec import parse
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 NS = "default"
@@ -212,3 +213,50 @@ def test_a_multi_node_format_change_completes_over_passes(observed: bool) -> Non
     assert stages[:3] == ["ShiftTraffic", "ShiftTraffic", "RemoveOldPair"] and stages[3:] == [None, None]
     assert ("LeaderWorkerSet", NS, "smollm-decode") not in kube.objects
     assert condition(stored(kube), "Progressing")["reason"] == "RolloutComplete"
+
+
+def engine_pod(name: str, pool: str, generation: str, weights: str) -> dict:
+    """An engine pod of format generation ``generation`` whose agent reports running ``weights`` for
+    its phase (what the engine resolved ``auto`` to)."""
+    formats = PhaseFormats(**{f"{pool}_weights": weights})
+    report = AgentReport(pool=pool, ready=True, formats=formats, last_report_time=NOW)
+    labels = {
+        "pagoda.dev/model-deployment": "smollm",
+        "pagoda.dev/pool": pool,
+        "pagoda.dev/formats": generation,
+    }
+    meta = {
+        "name": name,
+        "namespace": NS,
+        "labels": labels,
+        "annotations": {REPORT_ANNOTATION: to_annotation(report)},
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
+
+
+def test_the_pool_status_shows_auto_weights_as_the_agents_resolved_them() -> None:
+    kube = FakeKube()
+    kube.put({"kind": "ModelDeployment", **md()})  # weightFormat auto in both pools
+    generation = children.formats_generation(parse(stored(kube)["spec"]))
+
+    def pools() -> tuple[str, str]:
+        asyncio.run(reconcile(kube, stored(kube), Config(), now=NOW))  # type: ignore[arg-type]
+        status = stored(kube)["status"]
+        return status["prefill"]["formats"], status["decode"]["formats"]
+
+    assert pools() == ("auto/bf16", "auto/int8")  # no agent has reported yet
+    kube.put(engine_pod("d-old", "decode", "0123456789", "int4"))  # the other pair of a blue/green
+    kube.put(engine_pod("d-bad", "decode", generation, "int3"))  # not a format: never shown
+    assert pools() == ("auto/bf16", "auto/int8")
+    kube.put(engine_pod("p-0", "prefill", generation, "stored"))  # a pre-quantized checkpoint
+    kube.put(engine_pod("d-0", "decode", generation, "stored"))
+    assert pools() == ("stored/bf16", "stored/int8")
+    kube.put(engine_pod("d-1", "decode", generation, "int4"))  # agents that disagree: not resolved
+    assert pools() == ("stored/bf16", "auto/int8")
+
+    named = FakeKube()  # a named format is shown as named, whatever an agent reports
+    named.put({"kind": "ModelDeployment", **md(decode={"weightFormat": "int4"})})
+    gen = children.formats_generation(parse(named.objects[("ModelDeployment", NS, "smollm")]["spec"]))
+    named.put(engine_pod("d-0", "decode", gen, "stored"))
+    asyncio.run(reconcile(named, named.objects[("ModelDeployment", NS, "smollm")], Config(), now=NOW))  # type: ignore[arg-type]
+    assert named.objects[("ModelDeployment", NS, "smollm")]["status"]["decode"]["formats"] == "int4/int8"

@@ -8,7 +8,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from op_schema import CHART, CRD_PATH, ROOT, admit, example, md_schema
+from op_schema import CHART, CRD_PATH, ROOT, admit, example, load_crd, md_schema
 
 from pagoda.operator import spec as spec_mod
 
@@ -30,10 +30,9 @@ def test_defaults_match_the_operator_defaults() -> None:
     stored = admit(example())
     parsed = spec_mod.parse(stored["spec"])
     assert parsed == spec_mod.parse({"model": {"source": "builtin://smollm2-135m"}})
-    assert (
-        stored["spec"]["prefill"]["weightFormat"] == "fp8"
-        and stored["spec"]["decode"]["weightFormat"] == "int4"
-    )
+    # auto: the engine picks per source (stored for a pre-quantized checkpoint, else fp8 / int4)
+    assert stored["spec"]["prefill"]["weightFormat"] == stored["spec"]["decode"]["weightFormat"] == "auto"
+    assert parsed.prefill.weight_format == parsed.decode.weight_format == "auto"
     assert (
         stored["spec"]["decode"]["kvCacheFormat"] == "int8"
         and stored["spec"]["integrity"]["mode"] == "enforce"
@@ -220,15 +219,55 @@ def test_printer_columns_are_defined_and_documented(crd: dict) -> None:
         assert f"`{column['name']}`" in docs and f"`{column['jsonPath']}`" in docs
 
 
-def test_stored_weight_format_is_accepted_in_both_pools() -> None:
-    from pagoda.vocabulary import WEIGHT_FORMATS
-
-    crd = yaml.safe_load(CRD_PATH.read_text())
+def _weight_format_schemas(path: pathlib.Path) -> dict[str, dict]:
+    crd = yaml.safe_load(path.read_text())
     props = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    for pool in ("prefill", "decode"):
-        assert props[pool]["properties"]["weightFormat"]["enum"] == list(WEIGHT_FORMATS)
+    return {pool: props[pool]["properties"]["weightFormat"] for pool in ("prefill", "decode")}
+
+
+def test_weight_formats_default_to_auto_in_both_crd_copies() -> None:
+    from pagoda.vocabulary import PHASE_DEFAULTS, WEIGHT_FORMAT_CHOICES
+
+    ours, chart = (
+        _weight_format_schemas(CRD_PATH),
+        _weight_format_schemas(CHART / "crds" / "modeldeployment.yaml"),
+    )
+    assert ours == chart
+    for pool, schema in ours.items():
+        assert schema["enum"] == list(WEIGHT_FORMAT_CHOICES) and schema["default"] == "auto"
+        # the description says what auto becomes: stored, else the phase default
+        text = schema["description"]
+        assert "auto (the default)" in text and "stored for a checkpoint released pre-quantized" in text
+        assert f"else {PHASE_DEFAULTS[pool]['weights']} " in text
+
+
+@pytest.mark.parametrize("fmt", ["stored", "auto"])
+def test_stored_and_auto_weight_formats_are_accepted_in_both_pools(fmt: str) -> None:
     body = example()
-    body["spec"]["prefill"] = {**body["spec"].get("prefill", {}), "weightFormat": "stored"}
-    body["spec"]["decode"] = {**body["spec"].get("decode", {}), "weightFormat": "stored"}
+    body["spec"]["prefill"] = {**body["spec"].get("prefill", {}), "weightFormat": fmt}
+    body["spec"]["decode"] = {**body["spec"].get("decode", {}), "weightFormat": fmt}
     stored = admit(body)
-    assert stored["spec"]["prefill"]["weightFormat"] == stored["spec"]["decode"]["weightFormat"] == "stored"
+    assert stored["spec"]["prefill"]["weightFormat"] == stored["spec"]["decode"]["weightFormat"] == fmt
+
+
+def test_an_object_written_under_the_old_defaults_keeps_its_formats() -> None:
+    """CRD defaults fill absent fields when an object is written (and read): one written under the
+    fp8 / int4 defaults holds those values, so the auto default changes none of its pods."""
+    from pagoda.operator import children
+
+    old = load_crd()
+    for pool, fmt in (("prefill", "fp8"), ("decode", "int4")):
+        md_schema(old)["properties"]["spec"]["properties"][pool]["properties"]["weightFormat"]["default"] = (
+            fmt
+        )
+    written = admit(example(), old)  # persisted by the API server before the upgrade
+    read = admit(written)  # the same object under the new CRD
+    assert (read["spec"]["prefill"]["weightFormat"], read["spec"]["decode"]["weightFormat"]) == (
+        "fp8",
+        "int4",
+    )
+    before, after = spec_mod.parse(written["spec"]), spec_mod.parse(read["spec"])
+    assert children.formats_generation(after) == children.formats_generation(before)
+    assert children.agent_args(after, "decode") == children.agent_args(before, "decode")
+    fresh = spec_mod.parse(admit(example())["spec"])  # a new object gets auto: another generation
+    assert children.formats_generation(fresh) != children.formats_generation(before)

@@ -38,7 +38,7 @@ MD = MD_PATH.format(ns=NS) + "/smollm"
 DEPS = DEP_PATH.format(ns=NS)
 POOLS = ("prefill", "decode")
 CPU = {"prefill": {"gpus": 0}, "decode": {"gpus": 0}}
-GENERATION = generation_of(("fp8", "bf16", "int4", "int8"))  # the default formats
+GENERATION = generation_of(("auto", "bf16", "auto", "int8"))  # the default formats
 
 
 def create_md(cluster: Cluster, body: dict) -> dict:
@@ -91,7 +91,12 @@ def set_ready(
 
 
 def add_pod(cluster: Cluster, name: str, pool: str) -> None:
-    labels = {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": pool}
+    """A pool pod as the Deployment makes it (of the default formats' generation)."""
+    labels = {
+        "pagoda.dev/model-deployment": "smollm",
+        "pagoda.dev/pool": pool,
+        "pagoda.dev/formats": GENERATION,
+    }
     cluster.create(POD_PATH.format(ns=NS), {"metadata": {"name": name, "namespace": NS, "labels": labels}})
 
 
@@ -157,8 +162,8 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         assert flag(dep, "--role") == role
         assert flag(dep, "--model") == "builtin://smollm2-135m"
         if role != "router":  # the router reads no formats
-            assert (flag(dep, "--prefill-weights"), flag(dep, "--prefill-kv")) == ("fp8", "bf16")
-            assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("int4", "int8")
+            assert (flag(dep, "--prefill-weights"), flag(dep, "--prefill-kv")) == ("auto", "bf16")
+            assert (flag(dep, "--decode-weights"), flag(dep, "--decode-kv")) == ("auto", "int8")
             assert flag(dep, "--integrity") == "enforce"
         assert "--no-prefix-caching" in args_of(dep) and "--no-session-affinity" not in args_of(dep)
         env = {e["name"]: e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -227,7 +232,7 @@ def test_create_yields_children_with_args_owners_and_labels(cluster: Cluster) ->
         what="Ready",
     )
     assert condition(md, "Ready")["reason"] == "AllPoolsReady"
-    assert md["status"]["decode"]["ready"] == "1/1" and md["status"]["decode"]["formats"] == "int4/int8"
+    assert md["status"]["decode"]["ready"] == "1/1" and md["status"]["decode"]["formats"] == "auto/int8"
     events = cluster.wait_for(lambda: cluster.get(EVENT_PATH.format(ns=NS))["items"], what="events")
     reasons = {e["reason"] for e in events}
     assert "Created" in reasons
@@ -388,6 +393,8 @@ def test_agent_reports_aggregate_with_staleness_and_pruning(cluster: Cluster) ->
         decode["tokensPerSecond"] == 101.0 and decode["kvUsedTokens"] == 20 and decode["weightBytes"] == 200
     )
     assert prefill["kvCapacityTokens"] == 500 and prefill["reportingAgents"] == 1
+    # auto weights as the agents report them resolved (the built-in GGUF: fp8 prefill, int4 decode)
+    assert (prefill["formats"], decode["formats"]) == ("fp8/bf16", "int4/int8")
     assert md["status"]["agents"]["d-old"]["stale"] is True
     assert md["status"]["agents"]["d-0"]["stale"] is False
     degraded = condition(md, "Degraded")
@@ -455,7 +462,7 @@ def selects(cluster: Cluster, pool: str) -> str | None:
     return svc.get("pagoda.dev/formats") if svc == headless else None
 
 
-NEW_GENERATION = generation_of(("fp8", "int8", "int4", "int8"))
+NEW_GENERATION = generation_of(("auto", "int8", "auto", "int8"))
 
 
 @pytest.mark.slow  # about 20 s: the whole blue/green sequence on the operator's timer

@@ -142,3 +142,31 @@ def test_the_chart_examples_render() -> None:
     for path in (CHART / "examples").glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             assert rendered(doc), path
+
+
+@pytest.mark.parametrize(
+    ("pools", "weights", "fp8_prefill"),
+    [
+        ({}, ("auto", "auto"), True),  # the CRD defaults; auto prefill is placed as fp8
+        ({"prefill": {"weightFormat": "bf16"}, "decode": {"weightFormat": "int4"}}, ("bf16", "int4"), False),
+        (
+            {"prefill": {"weightFormat": "stored"}, "decode": {"weightFormat": "stored"}},
+            ("stored", "stored"),
+            False,
+        ),
+    ],
+)
+def test_render_passes_the_weight_formats_to_both_engines(
+    pools: dict, weights: tuple[str, str], fp8_prefill: bool
+) -> None:
+    gpu = {"gpus": 1, "kvCacheFormat": "bf16"}
+    spec = {p: {**gpu, **pools.get(p, {})} for p in ("prefill", "decode")}
+    objs = by_key(rendered(example("m", **spec), "ns"))
+    for role in ("prefill", "decode"):
+        pod = objs[f"Deployment/m-{role}"]["spec"]["template"]["spec"]
+        args = pod["containers"][0]["args"]
+        assert (
+            args[args.index("--prefill-weights") + 1],
+            args[args.index("--decode-weights") + 1],
+        ) == weights
+        assert ("affinity" in pod) == (fp8_prefill and role == "prefill")

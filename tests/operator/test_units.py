@@ -34,6 +34,18 @@ def test_format_check_explains_each_problem() -> None:
     assert formats.check(spec(decode={"gpus": 1, "tensorParallel": 2}))[0].reason == "InvalidParallelism"
 
 
+@pytest.mark.parametrize("fmt", ["auto", "stored", "fp8", "bf16"])
+def test_prefill_weights_other_than_int4_are_served(fmt: str) -> None:
+    """auto prefill is fp8 on a dense or GGUF source and stored (its own INT4 layers, as an explicit
+    stored prefill) on a pre-quantized one; only a named int4 prefill is refused."""
+    assert formats.check(spec(prefill={"weightFormat": fmt}, decode={"weightFormat": fmt})) == []
+    assert (
+        spec().prefill.weight_format == spec().decode.weight_format == "auto"
+    )  # an object without CRD defaults
+    refused = formats.check(spec(decode={"weightFormat": "nf4"}))[0].message
+    assert "'nf4' is not one of ('bf16', 'fp8', 'int4', 'stored', 'auto')" in refused
+
+
 @pytest.mark.parametrize(
     ("pool", "why"),
     [
