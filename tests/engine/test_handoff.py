@@ -14,8 +14,13 @@ def test_prefill_decode_handoff_matches_single_engine(make_engine):
     prefill = make_engine(formats=fmts, role="prefill")
     decode = make_engine(formats=fmts, role="decode")
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    rids = [single.add_request(p, params, chat=True) for p in PROMPTS]
-    want = single.run_until_done()
+    # one prompt at a time, as the handoff decodes them: the same batch shapes on both sides (on a
+    # Xeon with avx512_bf16/fp16 a batch of two did not round as two batches of one; cause not found)
+    want: dict = {}
+    rids = []
+    for p in PROMPTS:
+        rids.append(single.add_request(p, params, chat=True))
+        want.update(single.run_until_done())
     assert single.stats.migrations == len(PROMPTS)  # bf16 prefill pool -> fp8 decode pool
     for rid, p in zip(rids, PROMPTS, strict=True):
         pid = prefill.add_request(p, params, chat=True, prefill_only=True)
