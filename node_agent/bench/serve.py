@@ -251,7 +251,7 @@ def bench_serve(
         by_mode = {m: point_variants(m, u, served, **point) for m, u in urls.items()}
         if serve_engine.ENGINE_MODE in modes and make_engine is not None:
             by_mode[serve_engine.ENGINE_MODE] = serve_engine.engine_variants(
-                make_engine, lambda k, n, tag: workload(k, n, tag), concurrency, max_tokens
+                make_engine, workload, concurrency, max_tokens
             )
         # interleave: every (workload, concurrency) point runs once per mode, mode after mode
         variants = [v for group in zip(*by_mode.values(), strict=True) for v in group]

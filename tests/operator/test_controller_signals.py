@@ -122,7 +122,11 @@ def agent_pod(name: str, checks: int, mismatches: int, at: dt.datetime) -> dict:
         integrity=IntegrityReport("enforce", checks=checks, mismatches=mismatches),
         last_report_time=at,
     )
-    labels = {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": "decode"}
+    return reporting_pod(name, report, {"pagoda.dev/model-deployment": "smollm", "pagoda.dev/pool": "decode"})
+
+
+def reporting_pod(name: str, report: AgentReport, labels: dict[str, str]) -> dict:
+    """A Pod named ``name`` with ``labels`` whose agent-report annotation holds ``report``."""
     meta = {
         "name": name,
         "namespace": NS,
@@ -225,13 +229,7 @@ def engine_pod(name: str, pool: str, generation: str, weights: str) -> dict:
         "pagoda.dev/pool": pool,
         "pagoda.dev/formats": generation,
     }
-    meta = {
-        "name": name,
-        "namespace": NS,
-        "labels": labels,
-        "annotations": {REPORT_ANNOTATION: to_annotation(report)},
-    }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
+    return reporting_pod(name, report, labels)
 
 
 def test_the_pool_status_shows_auto_weights_as_the_agents_resolved_them() -> None:

@@ -17,7 +17,8 @@ import torch
 from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.gguf_lazy import GgufTensor
 from pagoda.node_agent.models.loader import _decode_gguf, load_model, resolve_source
-from pagoda.node_agent.models.parallel import ColumnShard, make_plan, mlp_units, rank_weights, shard_weights
+from pagoda.node_agent.models.parallel import make_plan, mlp_units, rank_weights, shard_weights
+from tests.parallel.same_weights import same_weights
 
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, EXPERTS = 256, 4, 2, 512, 250, 8
 FORMATS = [{"fp32"}, {"fp8", "int4"}]
@@ -196,32 +197,6 @@ def deepseek2_gguf(tmp_path_factory):
     return str(path)
 
 
-def _same(a: object, b: object, name: str) -> None:
-    if isinstance(a, ColumnShard):
-        assert isinstance(b, ColumnShard) and a.full_in == b.full_in, name
-        _same(a.weight, b.weight, name)
-        assert (a.row_amax is None) == (b.row_amax is None), name
-        if a.row_amax is not None:
-            assert torch.equal(a.row_amax, b.row_amax), name
-        return
-    if isinstance(a, Int4Weight):
-        assert isinstance(b, Int4Weight), name
-        assert (a.out_features, a.in_features, a.group_size, a.symmetric) == (
-            b.out_features,
-            b.in_features,
-            b.group_size,
-            b.symmetric,
-        ), name
-        sa, sb = a.state(), b.state()
-        assert sorted(sa) == sorted(sb), name
-        for k in sa:
-            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), f"{name}.{k}"
-        return
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (name, type(a), type(b))
-    assert a.dtype == b.dtype and a.shape == b.shape, name
-    assert torch.equal(a, b), name
-
-
 def _rank(path: str, rank: int, world: int, formats: set[str]):
     """Rank ``rank``'s plan and weights through its deferred GGUF tensors (the engine's path)."""
     if world == 1:  # load_model keeps one rank on the whole (cached) path: defer explicitly
@@ -242,7 +217,7 @@ def _check_ranks(path: str, world: int, formats: set[str]) -> None:
         assert got_plan == plan
         assert sorted(got) == sorted(want)
         for name in want:
-            _same(got[name], want[name], name)
+            same_weights(got[name], want[name], name)
 
 
 @pytest.mark.parametrize("formats", FORMATS, ids=["fp32", "fp8+int4"])

@@ -14,12 +14,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.kernels.fp8_block import Fp8BlockWeight
-from pagoda.kernels.int4 import Int4Weight
 from pagoda.node_agent.models.deferred_quant import DeferredQuant
 from pagoda.node_agent.models.loader import load_model
-from pagoda.node_agent.models.parallel import ColumnShard, make_plan, mlp_units, rank_weights, shard_weights
+from pagoda.node_agent.models.parallel import make_plan, mlp_units, rank_weights, shard_weights
 from tests.formats.ct_writer import weights_args, write_ct_checkpoint
+from tests.parallel.same_weights import same_weights
 from tests.parallel.test_sharded_load import _record_reads, fp8_block_dir  # noqa: F401  (a fixture)
 
 LLAMA = dict(
@@ -44,36 +43,6 @@ CT_VARIANTS = {
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _same(a: object, b: object, name: str) -> None:
-    if isinstance(a, ColumnShard):
-        assert isinstance(b, ColumnShard) and a.full_in == b.full_in, name
-        _same(a.weight, b.weight, name)
-        assert (a.row_amax is None) == (b.row_amax is None), name
-        if a.row_amax is not None:
-            assert torch.equal(a.row_amax, b.row_amax), name
-        return
-    if isinstance(a, Fp8BlockWeight):
-        assert isinstance(b, Fp8BlockWeight) and a.block == b.block, name
-        assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)), name
-        assert torch.equal(a.scale, b.scale) and torch.equal(a.row_block, b.row_block), name
-        return
-    if isinstance(a, Int4Weight):
-        assert isinstance(b, Int4Weight), name
-        assert (a.out_features, a.in_features, a.group_size, a.symmetric) == (
-            b.out_features,
-            b.in_features,
-            b.group_size,
-            b.symmetric,
-        ), name
-        sa, sb = a.state(), b.state()
-        assert sorted(sa) == sorted(sb), name
-        for k in sa:
-            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), f"{name}.{k}"
-        return
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (name, type(a), type(b))
-    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
-
-
 def _check_ranks(path: str, world: int, formats: set[str]) -> None:
     whole = load_model(path)  # every quantized layer read and converted whole (today's path)
     units = mlp_units(whole.weights, whole.config, formats, None) if world > 1 else (1, 1)
@@ -86,7 +55,7 @@ def _check_ranks(path: str, world: int, formats: set[str]) -> None:
         assert got_plan == plan
         assert sorted(got) == sorted(want)
         for name in want:
-            _same(got[name], want[name], name)
+            same_weights(got[name], want[name], name)
 
 
 @pytest.mark.parametrize(
