@@ -415,8 +415,8 @@ def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch, decode_kv, 
     monkeypatch.setattr(pa, "native_paged_decode", spy)
     engine = make_engine(formats=PhaseFormats(decode_kv=decode_kv), enable_prefix_caching=False)
     prompts = ["The quick brown fox", "In 1969, the first humans landed on", "def add(a, b):\n    "]
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    runs = []
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+    runs, steps = [], []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a busy 2-core machine stalls every 2-thread op of the torch path
     try:
@@ -424,10 +424,23 @@ def test_engine_greedy_output_is_unchanged(make_engine, monkeypatch, decode_kv, 
             monkeypatch.setenv(native.ENV_VAR, flag)
             served.clear()
             rids = [engine.add_request(p, params) for p in prompts]
-            final = engine.run_until_done()
+            entries: dict[str, list[dict]] = {r: [] for r in rids}
+            final = engine.run_until_done(lambda o, e=entries: e[o.request_id].extend(o.logprobs or []))
             runs.append([final[r].token_ids for r in rids])
+            steps.append([entries[r] for r in rids])
     finally:
         torch.set_num_threads(threads)
     assert served and all(served)  # the native decode ran every decode step over the 1-byte pool
     assert all(len(t) == 16 for t in runs[1])
-    assert runs[0] == runs[1]
+    assert all(len(e) == 16 for run in steps for e in run)  # a logprob entry for every sampled token
+    same = 0
+    for ref, nat, ref_steps in zip(*runs, steps[0], strict=True):
+        split = next((i for i, (a, b) in enumerate(zip(ref, nat, strict=True)) if a != b), None)
+        if split is None:
+            same += 1
+            continue
+        # the paths sum in different orders, so a greedy near-tie may fall the other way; nothing else may
+        top = ref_steps[split]["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] - top[1]["logprob"] < 0.05, (split, top)
+        assert engine.tokenizer.token_text(nat[split]) == top[1]["token"], (split, top, nat[split])
+    assert same >= 2, runs
