@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from .cpu_fp8_native import available as fp8_native_available
 from .cpu_int4_native import vnni_available
 from .dispatch import select_backend
 from .fp8 import Fp8Weight
@@ -23,6 +24,7 @@ from .int4 import Int4Weight, pick_group_size, quantize_int4
 from .linear import native_available
 from .moe import fused_moe, make_expert_stack
 from .paged_attention import calibrate_kv_scales, empty_page_scales, paged_decode_attention, write_kv
+from .switches import switched_off
 
 # SmolLM2-135M projection shapes (N, K): MLP up/gate and down.
 DEFAULT_GEMMS = ((1536, 576), (576, 1536))
@@ -86,6 +88,10 @@ def bench_gemms(
                     vnni.cpu_compute = "float32"
                     vnni.prepare("cpu")
                     row["int4_vnni_us"] = _time(partial(vnni.apply, x), device, repeat)
+            if device.type == "cpu" and fp8_native_available():  # the torch decode the native one replaced
+                with switched_off("native_fp8"):
+                    row["fp8_torch_decode_us"] = _time(partial(f8.apply, x), device, repeat)
+                row["fp8_native_decode_speedup"] = row["fp8_torch_decode_us"] / row["fp8_us"]
             if dtype != torch.bfloat16:  # CPUs: also show bf16 dense, the format INT4 replaces on GPUs
                 xb, wb = x.bfloat16(), dense.bfloat16()
                 row["dense_bf16_us"] = _time(partial(torch.matmul, xb, wb.T), device, repeat)

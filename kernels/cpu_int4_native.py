@@ -34,7 +34,14 @@ log = logging.getLogger("pagoda.kernels")
 
 SOURCE_DIR = Path(__file__).parent
 HEADER_NAMES = ("cpu_math.h", "cpu_vnni.h", "cpu_int4_params.h")  # included: hashed, not compiled
-SOURCE_NAMES = ("cpu_int4.c", "cpu_int4_vnni.c", "cpu_int8_vnni.c", "cpu_attention.c", "cpu_decode_layer.c")
+SOURCE_NAMES = (
+    "cpu_int4.c",
+    "cpu_int4_vnni.c",
+    "cpu_int8_vnni.c",
+    "cpu_attention.c",
+    "cpu_decode_layer.c",
+    "cpu_fp8.c",
+)
 HEADERS = tuple(SOURCE_DIR / n for n in HEADER_NAMES)
 SOURCES = tuple(SOURCE_DIR / n for n in SOURCE_NAMES)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]

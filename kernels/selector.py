@@ -197,7 +197,11 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
         sel.note("int4_gemm", "torch-int4pack-bf16", f"float32 asked, {missing}", fallback=True)
     else:
         sel.note("int4_gemm", "torch-int4pack-bf16", "--int4-compute bf16")
-    sel.note("fp8_gemm", "torch", "e4m3 rows decoded in blocks, float32 matmul")
+    if native and switch_on("native_fp8"):
+        sel.note("fp8_gemm", "native-decode", "e4m3 rows decoded natively in blocks, float32 matmul")
+    else:
+        why = f"{SWITCHES['native_fp8']}=0" if native else missing
+        sel.note("fp8_gemm", "torch", f"e4m3 rows decoded in blocks by torch ops ({why}), float32 matmul")
     int4_moe = sel.table["int4_gemm"]  # INT4 experts: the same kernel over each expert's routed rows
     sel.note("moe", int4_moe.backend, f"grouped by expert; INT4 experts: {int4_moe.why}", int4_moe.fallback)
     if f32 and native:

@@ -18,12 +18,16 @@ def bench_kernels(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     res = run_kernel_bench(device, quick=quick, threads=threads)
     log(f"kernels on {res['device']} (backend {res['backend']}, {res['threads']} threads), times in us")
-    log(f"{'N x K':<12}{'M':>5}{'dense':>10}{'int4':>10}{'fp8':>10}{'int4 x':>8}{'fp8 x':>8}")
+    log(
+        f"{'N x K':<12}{'M':>5}{'dense':>10}{'int4':>10}{'fp8':>10}{'int4 x':>8}{'fp8 x':>8}"
+        f"{'fp8 torch-decode':>18}{'native x':>10}"
+    )
     for r in res["gemm"]:
         shape = f"{r['n']}x{r['k']}"
         log(
             f"{shape:<12}{r['m']:>5}{r['dense_us']:>10.1f}{r['int4_us']:>10.1f}"
             f"{r['fp8_us']:>10.1f}{r['int4_speedup']:>8.2f}{r['fp8_speedup']:>8.2f}"
+            f"{r.get('fp8_torch_decode_us', float('nan')):>18.1f}{r.get('fp8_native_decode_speedup', float('nan')):>10.2f}"
         )
     log(f"{'attention':<12}{'batch':>5}{'bf16 KV':>10}{'fp8 KV':>10}{'fp8 x':>8}")
     for r in res["decode_attention"]:

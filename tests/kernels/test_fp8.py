@@ -2,6 +2,8 @@ import pytest
 import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
 
+from pagoda.kernels import cpu_fp8_native
+from pagoda.kernels import fp8 as fp8_module
 from pagoda.kernels.fp8 import Fp8Weight, fp8_linear, fp8_linear_scaled_mm
 from pagoda.kernels.fp8_format import (
     FP8_BF16_BIAS,
@@ -124,3 +126,32 @@ def test_fast_fp8_decode_matches_torch_cast_for_every_finite_code():
     finite = ~torch.isnan(want)
     got = fp8_to_float_scaled_down(codes) * FP8_BF16_BIAS
     assert torch.equal(got[finite], want[finite])
+
+
+native_fp8 = pytest.mark.skipif(
+    not cpu_fp8_native.available(), reason="the native CPU library did not build on this machine"
+)
+
+
+@native_fp8
+def test_native_fp8_decode_gives_the_torch_decodes_bits_for_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3).reshape(12, 64)
+    got = cpu_fp8_native.fp8_rows_scaled_down(codes)
+    assert got is not None and got.shape == (12, 64)
+    assert torch.equal(got.view(torch.int32), fp8_to_float_scaled_down(codes).view(torch.int32))
+    assert cpu_fp8_native.fp8_rows_scaled_down(codes[:, ::2]) is None  # strided: the caller decodes in torch
+
+
+@native_fp8
+@pytest.mark.parametrize("m", [1, 5, 70])  # 70 rows: the 16 MB block path
+def test_native_decoded_fp8_linear_equals_the_torch_decoded_one(m, monkeypatch):
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(1031, 96, generator=gen)  # 1031 rows: a last block shorter than the rest
+    x, bias = torch.randn(m, 96, generator=gen), torch.randn(1031, generator=gen)
+    wq, s = quantize_fp8_weight(w)
+    native = fp8_linear(x, wq, s, bias, backend="cpu")
+    monkeypatch.setattr(fp8_module, "fp8_native_available", lambda: False)
+    torch_decoded = fp8_linear(x, wq, s, bias, backend="cpu")
+    assert torch.equal(native, torch_decoded)
+    ref = fp8_linear(x, wq, s, bias, backend="reference")
+    torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
