@@ -1,6 +1,9 @@
-"""ctypes wrapper of ``cpu_fp8.c``: e4m3 weight codes to float32 ``value * 2**-120`` in one native pass.
+"""ctypes wrappers of ``cpu_fp8.c``: the fused FP8 GEMM for few activation rows, and e4m3 weight codes to
+their float32 values in one native pass for the rest.
 
-``fp8_rows_scaled_down`` decodes into a per-thread scratch buffer that is reused across calls (so a
+``fp8_gemm_f32`` multiplies float32 activations by the codes decoded in registers and returns None
+when the kernel cannot run (no library, switched off, a shape it does not take, built without AVX-512).
+``fp8_rows_f32`` decodes into a per-thread scratch buffer that is reused across calls (so a
 step's many weight blocks pay no allocation or page faults) and returns None when the native library
 is unavailable (``cpu_int4_native.status``) or switched off, in which case the caller decodes with torch ops.
 """
@@ -23,8 +26,11 @@ def _lib() -> ctypes.CDLL | None:
     lib = library()
     if lib is None or getattr(lib, "pagoda_fp8_ready", False):
         return lib
-    lib.pagoda_fp8_to_f32_scaled_down.restype = None
-    lib.pagoda_fp8_to_f32_scaled_down.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.pagoda_fp8_to_f32.restype = None
+    lib.pagoda_fp8_to_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.pagoda_fp8_gemm_f32.restype = ctypes.c_int
+    lib.pagoda_fp8_gemm_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.pagoda_fp8_gemm_f32.argtypes += [ctypes.c_int64, ctypes.c_void_p]
     lib.pagoda_fp8_ready = True
     return lib
 
@@ -34,8 +40,8 @@ def available() -> bool:
     return switch_on("native_fp8") and _lib() is not None
 
 
-def fp8_rows_scaled_down(raw: Tensor) -> Tensor | None:
-    """Contiguous CPU uint8 codes ``[R, K]`` -> float32 ``[R, K]`` reading ``value * 2**-120``.
+def fp8_rows_f32(raw: Tensor) -> Tensor | None:
+    """Contiguous CPU uint8 e4m3 codes ``[R, K]`` -> their float32 values ``[R, K]``.
 
     The result is a view of this thread's scratch buffer: valid until the thread's next call.
     """
@@ -47,5 +53,24 @@ def fp8_rows_scaled_down(raw: Tensor) -> Tensor | None:
     if buf is None or buf.numel() < n:
         buf = _scratch.buf = torch.empty(n, dtype=torch.float32)
     out = buf[:n].view(raw.shape)
-    lib.pagoda_fp8_to_f32_scaled_down(raw.data_ptr(), n, out.data_ptr())
+    lib.pagoda_fp8_to_f32(raw.data_ptr(), n, out.data_ptr())
     return out
+
+
+def fp8_gemm_f32(x: Tensor, raw: Tensor) -> Tensor | None:
+    """float32 ``x [M, K]`` @ the values of the e4m3 codes ``raw [N, K]``, transposed -> float32 ``[M, N]``."""
+    lib = _lib() if switch_on("native_fp8") else None
+    ok = x.dtype == torch.float32 and x.dim() == 2 and x.is_cpu and x.is_contiguous()
+    ok = ok and raw.dtype == torch.uint8 and raw.is_cpu and raw.is_contiguous() and raw.shape[1] == x.shape[1]
+    if lib is None or not ok or x.shape[1] % 16 or x.shape[0] < 1:
+        return None
+    m, k = x.shape
+    n = raw.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = lib.pagoda_fp8_gemm_f32(x.data_ptr(), m, k, raw.data_ptr(), n, y.data_ptr())
+    return y if rc == 0 else None
+
+
+def fused_available() -> bool:
+    """The fused kernel runs here (the library is built with AVX-512 F): a 1 x 16 probe."""
+    return fp8_gemm_f32(torch.zeros(1, 16), torch.zeros(1, 16, dtype=torch.uint8)) is not None

@@ -3,7 +3,6 @@ import torch
 from kernel_testing import ALL_BACKENDS, DEVICE, needs_triton
 
 from pagoda.kernels import cpu_fp8_native
-from pagoda.kernels import fp8 as fp8_module
 from pagoda.kernels.fp8 import Fp8Weight, fp8_linear, fp8_linear_scaled_mm
 from pagoda.kernels.fp8_format import (
     FP8_BF16_BIAS,
@@ -134,24 +133,57 @@ native_fp8 = pytest.mark.skipif(
 
 
 @native_fp8
-def test_native_fp8_decode_gives_the_torch_decodes_bits_for_every_code():
+def test_native_fp8_decode_gives_every_finite_codes_value():
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3).reshape(12, 64)
-    got = cpu_fp8_native.fp8_rows_scaled_down(codes)
+    got = cpu_fp8_native.fp8_rows_f32(codes)
     assert got is not None and got.shape == (12, 64)
-    assert torch.equal(got.view(torch.int32), fp8_to_float_scaled_down(codes).view(torch.int32))
-    assert cpu_fp8_native.fp8_rows_scaled_down(codes[:, ::2]) is None  # strided: the caller decodes in torch
+    want = codes.view(FP8_DTYPE).float()
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(
+        got[~finite].abs(), torch.full_like(got[~finite], 480.0)
+    )  # NaN codes: as the torch trick
+    assert cpu_fp8_native.fp8_rows_f32(codes[:, ::2]) is None  # strided: the caller decodes in torch
 
 
 @native_fp8
-@pytest.mark.parametrize("m", [1, 5, 70])  # 70 rows: the 16 MB block path
-def test_native_decoded_fp8_linear_equals_the_torch_decoded_one(m, monkeypatch):
+@pytest.mark.parametrize("m, k", [(130, 96), (3, 40)])  # 130 rows: past the fused kernel; K 40: not % 16
+def test_natively_decoded_fp8_linear_matches_the_torch_decoded_one(m, k, monkeypatch):
     gen = torch.Generator().manual_seed(m)
-    w = torch.randn(1031, 96, generator=gen)  # 1031 rows: a last block shorter than the rest
-    x, bias = torch.randn(m, 96, generator=gen), torch.randn(1031, generator=gen)
+    w = torch.randn(1031, k, generator=gen)  # 1031 rows: a last block shorter than the rest
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(1031, generator=gen)
     wq, s = quantize_fp8_weight(w)
     native = fp8_linear(x, wq, s, bias, backend="cpu")
-    monkeypatch.setattr(fp8_module, "fp8_native_available", lambda: False)
+    monkeypatch.setenv("PAGODA_NATIVE_FP8", "0")
     torch_decoded = fp8_linear(x, wq, s, bias, backend="cpu")
-    assert torch.equal(native, torch_decoded)
+    torch.testing.assert_close(native, torch_decoded, rtol=1e-5, atol=1e-5 * torch_decoded.abs().max().item())
+
+
+fused_fp8 = pytest.mark.skipif(
+    not cpu_fp8_native.fused_available(),
+    reason="the fused FP8 kernel needs the native library with AVX-512 F",
+)
+
+
+@fused_fp8
+@pytest.mark.parametrize("m, n", [(1, 1031), (5, 7), (70, 64), (127, 3)])  # full and partial tiles
+def test_fused_native_fp8_gemm_matches_the_reference(m, n):
+    gen = torch.Generator().manual_seed(m * n)
+    w = torch.randn(n, 160, generator=gen)
+    w[0, :7] = 1e-4  # subnormal e4m3 codes
+    x, bias = torch.randn(m, 160, generator=gen), torch.randn(n, generator=gen)
+    x[0, :40] = 1e-30  # products that would be float32 subnormals if the codes were read scaled down
+    wq, s = quantize_fp8_weight(w)
+    assert cpu_fp8_native.fp8_gemm_f32(x, wq.view(torch.uint8)) is not None  # the fused kernel runs
+    out = fp8_linear(x, wq, s, bias, backend="cpu")
     ref = fp8_linear(x, wq, s, bias, backend="reference")
-    torch.testing.assert_close(native, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@fused_fp8
+def test_fused_native_fp8_gemm_declines_what_it_does_not_take():
+    raw = torch.zeros(4, 40, dtype=torch.uint8)
+    assert cpu_fp8_native.fp8_gemm_f32(torch.ones(2, 40), raw) is None  # K not a multiple of 16
+    raw = torch.zeros(4, 32, dtype=torch.uint8)
+    assert cpu_fp8_native.fp8_gemm_f32(torch.ones(2, 32, dtype=torch.float64), raw) is None
+    assert cpu_fp8_native.fp8_gemm_f32(torch.ones(32, 2).T, raw) is None  # not contiguous
