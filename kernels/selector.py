@@ -198,7 +198,9 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
     else:
         sel.note("int4_gemm", "torch-int4pack-bf16", "--int4-compute bf16")
     if native and switch_on("native_fp8"):
-        sel.note("fp8_gemm", "native-decode", "e4m3 rows decoded natively in blocks, float32 matmul")
+        sel.note(
+            "fp8_gemm", "native", "fused e4m3 GEMM below 128 rows (AVX-512 F); else rows decoded natively"
+        )
     else:
         why = f"{SWITCHES['native_fp8']}=0" if native else missing
         sel.note("fp8_gemm", "torch", f"e4m3 rows decoded in blocks by torch ops ({why}), float32 matmul")
