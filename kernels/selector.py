@@ -199,7 +199,7 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
         sel.note("int4_gemm", "torch-int4pack-bf16", "--int4-compute bf16")
     if native and switch_on("native_fp8"):
         sel.note(
-            "fp8_gemm", "native", "fused e4m3 GEMM below 128 rows (AVX-512 F); else rows decoded natively"
+            "fp8_gemm", "native", "fused e4m3 GEMM below 256 rows (AVX-512 F); else rows decoded natively"
         )
     else:
         why = f"{SWITCHES['native_fp8']}=0" if native else missing

@@ -152,7 +152,7 @@ def test_native_fp8_decode_gives_every_finite_codes_value(native_fp8):
     assert cpu_fp8_native.fp8_rows_f32(codes[:, ::2]) is None  # strided: the caller decodes in torch
 
 
-@pytest.mark.parametrize("m, k", [(130, 96), (3, 40)])  # 130 rows: past the fused kernel; K 40: not % 16
+@pytest.mark.parametrize("m, k", [(260, 96), (3, 40)])  # 260 rows: past the fused kernel; K 40: not % 16
 def test_natively_decoded_fp8_linear_matches_the_torch_decoded_one(m, k, monkeypatch, native_fp8):
     gen = torch.Generator().manual_seed(m)
     w = torch.randn(1031, k, generator=gen)  # 1031 rows: a last block shorter than the rest
@@ -176,6 +176,23 @@ def test_fused_native_fp8_gemm_matches_the_reference(m, n, fused_fp8):
     out = fp8_linear(x, wq, s, bias, backend="cpu")
     ref = fp8_linear(x, wq, s, bias, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_fused_native_fp8_gemm_rows_do_not_depend_on_the_batch(fused_fp8):
+    """Rows decoded in registers (up to 4) and rows sharing a decoded chunk (more) give the same bits;
+    K 4128: two full chunks of 2048 and a short one; N 7: a full block of 4 weight rows and a partial."""
+    gen = torch.Generator().manual_seed(7)
+    w, x = torch.randn(7, 4128, generator=gen), torch.randn(13, 4128, generator=gen)
+    wq, s = quantize_fp8_weight(w)
+    raw = wq.view(torch.uint8)
+    many = cpu_fp8_native.fp8_gemm_f32(x, raw)
+    assert many is not None
+    ref = x.double() @ wq.float().double().T
+    torch.testing.assert_close(many.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    for i in range(13):
+        assert torch.equal(cpu_fp8_native.fp8_gemm_f32(x[i : i + 1], raw)[0], many[i])
+    assert torch.equal(cpu_fp8_native.fp8_gemm_f32(x[:3].contiguous(), raw), many[:3])
+    assert torch.equal(cpu_fp8_native.fp8_gemm_f32(x[5:12].contiguous(), raw), many[5:12])
 
 
 def test_fused_native_fp8_gemm_declines_what_it_does_not_take(fused_fp8):
