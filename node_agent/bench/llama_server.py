@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from pagoda.node_agent.serving import launch
@@ -72,25 +75,44 @@ def default_threads() -> int:
 
 
 def command(
-    binary: str, gguf: Path, port: int, threads: int, parallel: int, ctx_per_slot: int = CTX_PER_SLOT
+    binary: str,
+    gguf: Path,
+    port: int,
+    threads: int,
+    parallel: int,
+    ctx_per_slot: int = CTX_PER_SLOT,
+    extra: Sequence[str] = (),
 ) -> list[str]:
-    """The llama-server command line: CPU only, continuous batching, ``parallel`` slots."""
+    """The llama-server command line: CPU only, continuous batching, ``parallel`` slots, then
+    ``extra`` (the bench's ``--llama-server-args``, e.g. ``--no-repack`` where llama.cpp's AMX
+    kernels stop with an illegal instruction)."""
     if threads < 1 or parallel < 1 or ctx_per_slot < 16:
         raise ValueError("llama-server needs threads >= 1, parallel >= 1 and ctx_per_slot >= 16")
     return [
         binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-tb", str(threads), "-np", str(parallel),
-        "-c", str(parallel * ctx_per_slot), "-cb", "-ngl", "0",
+        "-c", str(parallel * ctx_per_slot), "-cb", "-ngl", "0", *extra,
     ]  # fmt: skip
 
 
 def start(cmd: list[str], port: int, timeout: float) -> subprocess.Popen:
-    """Start ``cmd`` (from ``command``) and wait until it serves."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Start ``cmd`` (from ``command``) and wait until it serves; a RuntimeError with the end of its
+    log when it exits first (a crash by signal is named)."""
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:  # llama-server answers /health with 503 while it loads
         launch.wait_ready(f"http://127.0.0.1:{port}", [proc], timeout, path="/health")
+    except RuntimeError as e:
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        tail = log.read().decode(errors="replace")[-1500:]
+        sig = f" (killed by {signal.Signals(-proc.returncode).name})" if proc.returncode < 0 else ""
+        raise RuntimeError(f"llama-server did not start{sig}: {e}\n{tail}") from e
     except BaseException:
         proc.kill()
         proc.wait()
         raise
+    finally:
+        log.close()
     return proc

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagoda.node_agent.bench import llama_server as llama_server_mod
@@ -200,6 +200,7 @@ def bench_serve(
     repeats: int = 3,
     llama_server: str | None = None,
     llama_server_threads: int | None = None,
+    llama_server_args: Sequence[str] = (),
     make_engine: Callable[[], object] | None = None,
 ) -> dict:
     """Start ``pagoda serve ENGINE_ARGV`` in each of ``modes`` (or use ``url``) and bench it.
@@ -207,7 +208,7 @@ def bench_serve(
     Every server runs for the whole bench, so the modes are interleaved point by point (an idle
     server only answers health polls). ``model`` is the engine's model source; ``engine_argv`` the
     engine flags the servers get. The ``llama-server`` mode runs llama.cpp's server on the same GGUF
-    (``llama_server`` names its binary); when it cannot run, the result says why instead. The
+    (``llama_server`` names its binary, ``llama_server_args`` are appended to its command line); when it cannot run, the result says why instead. The
     ``engine`` mode steps ``make_engine()`` in this process (no server; serve_engine.py)."""
     bad = [m for m in modes if m not in (*MODES, llama_server_mod.MODE, serve_engine.ENGINE_MODE)]
     if bad:
@@ -240,7 +241,9 @@ def bench_serve(
                         continue
                     binary = llama_server_mod.find_binary(llama_server)
                     gguf = llama_server_mod.gguf_file(model)
-                    cmd = llama_server_mod.command(binary, gguf, port, threads, max(concurrency))
+                    cmd = llama_server_mod.command(
+                        binary, gguf, port, threads, max(concurrency), extra=llama_server_args
+                    )
                     procs.append(llama_server_mod.start(cmd, port, start_timeout))
                     baselines.append({"mode": mode, "status": "ran", "threads": threads, "command": cmd[1:]})
                 else:

@@ -74,9 +74,16 @@ class Trace:
 def tokens_to_hold_batch(engine, prompt_tokens: int, concurrency: int, decode_steps: int) -> int:
     """max_tokens that keeps all ``concurrency`` sequences decoding together for ``decode_steps``
     steps: the scheduler alternates prefill and decode steps, so the first sequence admitted can
-    decode once per prefill step before the last prompt is in."""
-    budget = max(1, engine.config.max_num_batched_tokens)
-    prefill_steps = math.ceil(concurrency * max(1, prompt_tokens) / budget)
+    decode once per prefill step before the last prompt is in. With a time budget
+    (``itl_target_ms``) a prefill step beside running decodes may take only the floor
+    (``min_prefill_tokens``), one prompt's chunk at a time at worst."""
+    cfg = engine.config
+    prompt = max(1, prompt_tokens)
+    budget = max(1, cfg.max_num_batched_tokens)
+    prefill_steps = math.ceil(concurrency * prompt / budget)
+    if cfg.itl_target_ms is not None:
+        floor = max(1, min(cfg.min_prefill_tokens, budget))
+        prefill_steps = max(prefill_steps, concurrency * math.ceil(prompt / floor))
     return decode_steps + prefill_steps + 1
 
 

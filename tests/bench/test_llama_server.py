@@ -9,6 +9,7 @@ import pytest
 
 from pagoda.node_agent.bench import llama_server
 from pagoda.node_agent.bench.serve import StreamTally, bench_serve, versus
+from pagoda.node_agent.serving import launch
 
 BUILTIN = "builtin://smollm2-135m"
 
@@ -57,6 +58,19 @@ def test_the_command_matches_threads_slots_and_context() -> None:
     assert "-cb" in cmd  # continuous batching
     with pytest.raises(ValueError):
         llama_server.command("/opt/llama-server", gguf, 8123, threads=0, parallel=1)
+
+
+def test_extra_flags_go_last_and_a_crash_at_start_is_named(tmp_path) -> None:
+    gguf = llama_server.gguf_file(BUILTIN)
+    cmd = llama_server.command("/opt/llama-server", gguf, 8123, 2, 4, extra=["--no-repack"])
+    assert cmd[-1] == "--no-repack" and cmd[-3:-1] == ["-ngl", "0"]
+    exe = tmp_path / "llama-server"  # dies as llama.cpp's AMX kernels did on a VM that traps them
+    exe.write_text("#!/bin/sh\necho 'init: llama threadpool init, n_threads = 2' >&2\nkill -SEGV $$\n")
+    exe.chmod(0o755)
+    port = launch.free_port()
+    with pytest.raises(RuntimeError, match="SIGSEGV") as err:
+        llama_server.start(llama_server.command(str(exe), gguf, port, 2, 4), port, timeout=20)
+    assert "threadpool init" in str(err.value)  # the end of its log
 
 
 def test_bench_serve_reports_the_missing_baseline_instead_of_failing(monkeypatch) -> None:

@@ -179,3 +179,22 @@ def test_the_floor_is_capped_at_the_step_token_limit_and_must_be_positive():
     assert step_budget(cfg).floor == 16
     with pytest.raises(ConfigError, match="min_prefill_tokens"):
         EngineConfig(min_prefill_tokens=0).validate()
+
+
+def test_bench_hold_keeps_every_sequence_for_a_full_batch_under_the_floor():
+    """``bench``'s full-batch window (stepping.tokens_to_hold_batch) must exist when the time budget
+    cuts every prefill step beside running decodes down to the floor: 32 prompts of 127 tokens."""
+    from types import SimpleNamespace
+
+    from pagoda.node_agent.bench.stepping import tokens_to_hold_batch
+
+    floor, c, prompt = 32, 32, 127
+    engine = SimpleNamespace(
+        config=SimpleNamespace(max_num_batched_tokens=CHUNK, itl_target_ms=0.0, min_prefill_tokens=floor)
+    )
+    hold = tokens_to_hold_batch(engine, prompt, c, decode_steps=4)
+    sched, budget, clock = make_scheduler(ExactCostModel(), 0.0001, floor)
+    sched.config.max_num_seqs = c
+    records = simulate(sched, budget, clock, {0: [seq(i, prompt, hold) for i in range(c)]})
+    full = [r for r in records if r[0] == "decode" and r[4]["batch"] == c]
+    assert len(full) >= 4, "some decode steps held every sequence"
