@@ -245,7 +245,8 @@ def bench_serve(
                         binary, gguf, port, threads, max(concurrency), extra=llama_server_args
                     )
                     procs.append(llama_server_mod.start(cmd, port, start_timeout))
-                    baselines.append({"mode": mode, "status": "ran", "threads": threads, "command": cmd[1:]})
+                    shown = [gguf.name if a == str(gguf) else a for a in cmd[1:]]  # no local paths in results
+                    baselines.append({"mode": mode, "status": "ran", "threads": threads, "command": shown})
                 else:
                     procs.append(
                         launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout)

@@ -68,6 +68,8 @@ def command_line(
             words.append(flag)
         elif isinstance(val, list | tuple):
             words += [flag, ",".join(str(v) for v in val)]
+        elif str(val).startswith("-"):  # a value that reads as a flag (--llama-server-args=--no-repack)
+            words.append(f"{flag}={val}")
         else:
             words += [flag, str(val)]
     return shlex.join(words)

@@ -3,6 +3,8 @@ block and the recorded command line (no model, no timing)."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from pagoda.node_agent.bench.common import (
@@ -81,6 +83,11 @@ def test_command_line_names_every_changed_flag() -> None:
     assert command_line(a) == "pagoda bench decode --concurrency 1,16 --no-baseline --threads 2 --json o.json"
     a = build_parser().parse_args(["bench", "kv", "--repeats", "5", "--decode-kv", "fp8_e4m3"])
     assert command_line(a) == "pagoda bench kv --decode-kv fp8_e4m3 --repeats 5"
+    a = build_parser().parse_args(["bench", "serve", "--llama-server-args=--no-repack -t 2"])
+    line = command_line(a)
+    assert line == "pagoda bench serve '--llama-server-args=--no-repack -t 2'"
+    again = build_parser().parse_args(shlex.split(line)[1:])  # the line runs again as written
+    assert again.llama_server_args == "--no-repack -t 2"
 
 
 def test_eval_records_its_own_command_line() -> None:
