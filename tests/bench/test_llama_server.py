@@ -3,6 +3,8 @@ the stream accounting it needs, and (where llama-server is installed) a real sid
 
 from __future__ import annotations
 
+import os
+import shlex
 import stat
 
 import pytest
@@ -138,8 +140,17 @@ def test_side_by_side_with_a_real_llama_server() -> None:
     binary = llama_server.find_binary()
     if binary is None:
         pytest.skip(f"llama-server is not installed: {llama_server.INSTALL}")
+    # where llama.cpp's defaults do not run (AMX that the VM traps: --no-repack), they come from here
+    extra = shlex.split(os.environ.get("PAGODA_LLAMA_SERVER_ARGS", ""))
     res = bench_serve(
-        BUILTIN, [], [2], num_requests=2, max_tokens=8, modes=["single", "llama-server"], repeats=1
+        BUILTIN,
+        [],
+        [2],
+        num_requests=2,
+        max_tokens=8,
+        modes=["single", "llama-server"],
+        repeats=1,
+        llama_server_args=extra,
     )
     by_mode = {r["mode"]: r for r in res["rows"]}
     assert set(by_mode) == {"single", "llama-server"}
