@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _import_hub_kernels() -> None:
+    """pytest puts the repository root on sys.path (tests/ is a package, for ``tests.tiny_models``),
+    and the root holds this project's ``kernels/`` (imported as ``pagoda.kernels``), which would
+    shadow Hugging Face's ``kernels`` package that transformers (5.25 and later) imports. Import
+    that one first, with the root off the path, so that transformers finds it in sys.modules."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != root]
+    try:
+        if "kernels" not in sys.modules and importlib.util.find_spec("kernels") is not None:
+            import kernels  # noqa: F401 - Hugging Face's, from site-packages
+    finally:
+        sys.path[:] = saved
+
+
+_import_hub_kernels()
 
 BUILTIN = "builtin://smollm2-135m"
 
