@@ -19,6 +19,9 @@ PROMPT = "prompt"  # a RequestError about the prompt: the API names its own fiel
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's limit)
+# SamplingParams.logit_bias: token id -> a bias in [-100, 100] added to its logit; -100 bans it
+LOGIT_BIAS_MAX = 100.0
+LOGIT_BIAS_MAX_ENTRIES = 1024  # per request: the per-step work of a bias stays small
 
 # SamplingParams.guided: the decoding constraints (the engine compiles them with xgrammar)
 GUIDED_TYPES = ("json_object", "json_schema", "regex", "tool_calls")
@@ -73,6 +76,9 @@ class SamplingParams:
     guided: dict | None = None  # a decoding constraint (GUIDED_TYPES); see check_guided
     logprobs: int | None = None  # None: off; N: each sampled token's logprob and its top N
     prompt_logprobs: int | None = None  # None: off; N: every prompt token's logprob and top N
+    # token id -> bias added to its logit before sampling (-100: the token is never sampled);
+    # ids are checked against the model's vocabulary when the engine takes the request
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise RequestError naming the first parameter that cannot be served."""
@@ -106,10 +112,45 @@ class SamplingParams:
                 raise RequestError(
                     f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {v!r}", name
                 )
+        check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_logit_bias(bias: object, vocab_size: int | None = None) -> None:
+    """Raise RequestError (param ``logit_bias``) unless ``bias`` maps at most LOGIT_BIAS_MAX_ENTRIES
+    non-negative token ids (below ``vocab_size`` when given) to finite numbers in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise RequestError(f"logit_bias must be an object, got {type(bias).__name__}", "logit_bias")
+    if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+        raise RequestError(
+            f"logit_bias takes at most {LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(bias)}", "logit_bias"
+        )
+    for tok, v in bias.items():
+        if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            where = f" (the vocabulary has {vocab_size})" if vocab_size is not None else ""
+            raise RequestError(f"logit_bias: {str(tok)[:40]!r} is not a token id{where}", "logit_bias")
+        if not _is_real(v) or not math.isfinite(v) or abs(v) > LOGIT_BIAS_MAX:
+            raise RequestError(
+                f"logit_bias[{tok}] must be a number in [-100, 100], got {str(v)[:40]}", "logit_bias"
+            )
+
+
+def logit_bias_from_json(raw: object) -> dict[int, float]:
+    """A JSON ``logit_bias`` (token ids as decimal strings, as OpenAI's API sends them) -> ids to
+    biases; RequestError naming ``logit_bias`` for a key that is not a decimal token id."""
+    if not isinstance(raw, dict):
+        raise RequestError(f"logit_bias must be an object, got {type(raw).__name__}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        key = str(k)
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise RequestError(f"logit_bias: {key[:40]!r} is not a token id", "logit_bias")
+        out[int(key)] = v
+    check_logit_bias(out)
+    return out
 
 
 def guided_param(guided: object) -> str:
@@ -193,6 +234,7 @@ _PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "guided": (dict, type(None)),
     "logprobs": (int, type(None)),
     "prompt_logprobs": (int, type(None)),
+    "logit_bias": (dict,),
 }
 # The fields a wrong JSON type is answered under (the others keep param null, as before).
 _NAMED_ON_TYPE_ERROR = frozenset(
@@ -215,6 +257,7 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
         "guided": p.guided,
         "logprobs": p.logprobs,
         "prompt_logprobs": p.prompt_logprobs,
+        "logit_bias": {str(t): v for t, v in p.logit_bias.items()},
     }
 
 
@@ -232,6 +275,8 @@ def params_from_json(d: Any) -> SamplingParams:
             )
     if any(type(t) is not int or t < 0 for t in d.get("stop_token_ids", [])):
         raise RequestError("stop_token_ids must be non-negative integers")
+    if "logit_bias" in d:
+        d = {**d, "logit_bias": logit_bias_from_json(d["logit_bias"])}
     p = SamplingParams(**d)
     p.validate()
     return p

@@ -12,7 +12,7 @@ from collections.abc import Collection
 
 from pagoda.node_agent.engine import handoff
 from pagoda.node_agent.kv.pool import KVPagePool
-from pagoda.node_agent.params import PROMPT, CapacityError, RequestError, SamplingParams
+from pagoda.node_agent.params import PROMPT, CapacityError, RequestError, SamplingParams, check_logit_bias
 
 
 def tokens_needed(num_prompt: int, params: SamplingParams, max_model_len: int) -> int:
@@ -46,9 +46,15 @@ class Admission:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
 
+    def check_vocab(self, params: SamplingParams) -> None:
+        """The parameters' token ids (``logit_bias``) name tokens of this model. Raises RequestError."""
+        if params.logit_bias:
+            check_logit_bias(params.logit_bias, self.vocab_size)
+
     def check_prompt(self, ids: list[int], params: SamplingParams, prefill_only: bool = False) -> None:
         """A new prompt of token ``ids``: it fits the model length, the prefill pool and, with its
         new tokens (only the first one for ``prefill_only``), the decode pool. Raises RequestError."""
+        self.check_vocab(params)
         n = len(ids)
         if n >= self.max_model_len:
             raise RequestError(
@@ -68,6 +74,7 @@ class Admission:
         """A handoff payload (validated against the decode pool) that fits and finds room now; returns
         the pages it needs. RequestError for a malformed payload or one too large ever to fit,
         CapacityError when the decode pool lacks free pages or max_num_seqs is reached."""
+        self.check_vocab(params)
         pool = self.decode_pool
         num_pages = handoff.check_payload(payload, pool, self.vocab_size, self.max_model_len)
         need = tokens_needed(len(payload.prompt_token_ids), params, self.max_model_len)

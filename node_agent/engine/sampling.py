@@ -9,6 +9,10 @@ Logprobs (``SamplingParams.logprobs``) are of the distribution actually sampled 
 (temperature 0) reports the log_softmax of its logits at temperature 1; a sampling row reports the
 log of the probabilities it drew from, after temperature, top-k and top-p (renormalized; tokens cut
 away are -inf and never listed). See docs/logprobs.md.
+
+Before any of that, a constrained row keeps only its grammar's tokens, then a request's
+``logit_bias`` is added to its logits (OpenAI's semantics: -100 bans a token, +100 all but forces
+it), so logprobs and greedy choices are of the biased logits.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from pagoda.node_agent.engine.guided.masking import apply_grammar_masks
 from pagoda.node_agent.engine.logprobs import TokenLogprobs, gather
 from pagoda.node_agent.engine.sequence import Sequence
-from pagoda.node_agent.params import SamplingParams
+from pagoda.node_agent.params import LOGIT_BIAS_MAX, SamplingParams
 
 # Below this, float32 logits / temperature overflow (a subnormal temperature even rounds to 0);
 # every temperature this small picks the top token anyway, so it is used in their place.
@@ -94,11 +98,36 @@ def _draw(lp: torch.Tensor, rows: list[int], seqs: list[Sequence], chosen: torch
         chosen[i] = int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """``logits`` with each biased row's ``logit_bias`` added (-100 bans a token: -inf); a new tensor
+    when a row is biased (the model's logits may be inference tensors). A row the bias would leave
+    with no token to sample (its grammar allows only banned ones) keeps its logits unbiased: the
+    constraint is kept, the bias cannot be."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if not rows:
+        return logits
+    dev = logits.device
+    add = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype, device=dev)
+    for j, i in enumerate(rows):
+        bias = seqs[i].params.logit_bias
+        vals = [float("-inf") if v <= -LOGIT_BIAS_MAX else float(v) for v in bias.values()]
+        add[j, torch.tensor(list(bias), dtype=torch.long, device=dev)] = torch.tensor(
+            vals, dtype=logits.dtype, device=dev
+        )
+    at = torch.tensor(rows, device=dev)
+    plain = logits[at]
+    biased = plain + add
+    dead = ~torch.isfinite(biased).any(dim=-1)
+    biased = torch.where(dead[:, None], plain, biased)
+    return logits.index_put((at,), biased)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     """Pick one token per row of ``logits`` [B, V] following each sequence's parameters, with the
     logprobs of the rows whose request asked (one device->host copy for tokens and logprobs)."""
     logits = logits.float()
     apply_grammar_masks(logits, seqs)  # a constrained row keeps only the tokens its grammar allows
+    logits = apply_logit_bias(logits, seqs)  # then each request's own biases
     chosen = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy or s.params.logprobs is not None]
     if not rows:

@@ -94,3 +94,61 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_failing(temperature
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(1))
     seqs = [Sequence("a", [1], params), Sequence("b", [1], params)]
     assert sample(logits, seqs).tokens == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        {5: 101},
+        {5: -100.5},
+        {5: float("nan")},
+        {5: float("inf")},
+        {5: "1"},
+        {5: True},
+        {-1: 1},
+        {"5": 1},
+        {True: 1},
+        {i: 1 for i in range(1025)},
+        [5],
+    ],
+)
+def test_bad_logit_bias_is_a_request_error_naming_it(bias):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(logit_bias=bias).validate()
+    assert e.value.param == "logit_bias"
+
+
+def test_logit_bias_crosses_the_internal_plane_and_is_checked_on_arrival():
+    from pagoda.node_agent.params import params_from_json, params_to_json
+
+    p = SamplingParams(logit_bias={7: -100, 12: 2.5})
+    d = params_to_json(p)
+    assert d["logit_bias"] == {"7": -100, "12": 2.5}  # JSON object keys are strings
+    assert params_from_json(d).logit_bias == {7: -100, 12: 2.5}
+    for bad in ({"x7": 1}, {"7": 500}, {" 7": 1}, {"7" * 13: 1}):
+        with pytest.raises(RequestError) as e:
+            params_from_json({**d, "logit_bias": bad})
+        assert e.value.param == "logit_bias"
+
+
+def test_logit_bias_bans_forces_and_never_leaves_a_row_without_a_token():
+    from pagoda.node_agent.engine.sampling import apply_logit_bias
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    seqs = [
+        Sequence("ban", [1], SamplingParams(temperature=0.0, logit_bias={0: -100})),
+        Sequence("force", [1], SamplingParams(temperature=0.0, logit_bias={3: 100})),
+        Sequence("plain", [1], SamplingParams(temperature=0.0)),
+    ]
+    assert sample(logits.clone(), seqs).tokens == [1, 3, 0]
+    # sampling rows draw from the biased distribution: a banned token never comes out
+    hot = [
+        Sequence(f"s{i}", [1], SamplingParams(temperature=2.0, seed=i, logit_bias={0: -100, 1: -100}))
+        for i in range(40)
+    ]
+    assert all(t in (2, 3) for t in sample(torch.zeros(40, 4), hot).tokens)
+    # a row whose every finite logit is banned (as under a grammar) keeps its logits unbiased
+    masked = torch.tensor([[float("-inf"), 1.0, float("-inf"), float("-inf")]])
+    only = [Sequence("g", [1], SamplingParams(temperature=0.0, logit_bias={1: -100}))]
+    assert torch.equal(apply_logit_bias(masked, only), masked)
+    assert apply_logit_bias(logits, seqs[2:]) is logits  # no bias: the same tensor, no copy

@@ -73,7 +73,12 @@ def work_done(url: str) -> tuple[float, float]:
         ({"best_of": 2}, "best_of"),
         ({"echo": "yes"}, "echo"),
         ({"suffix": "x"}, "suffix"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),  # past the vocabulary (49152 tokens)
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
         ({"temperatura": 0.5}, "temperatura"),

@@ -82,6 +82,42 @@ def test_n_choices_and_prompt_batches(stack) -> None:
     assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
 
 
+def test_logit_bias_bans_and_forces_tokens(stack) -> None:
+    """OpenAI's logit_bias through the openai client: -100 never samples a token, +100 all but
+    forces one; a ban on the greedy choice changes the text, on a streamed chat too."""
+    c = client(stack)
+    tok = stack.engine.tokenizer
+    ids = tok.encode(" lighthouse")
+    forced = ids[-1]
+    r = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert r.choices[0].text == tok.decode([forced] * 6)
+    greedy = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    first = tok.encode(greedy.choices[0].text)[0]
+    banned = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logit_bias={str(first): -100}
+    )
+    assert tok.encode(banned.choices[0].text)[0] != first
+    sampled = c.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, logit_bias={str(first): -100}
+    )
+    assert first not in tok.encode(sampled.choices[0].text)[:1]
+    parts = [
+        ev.choices[0].delta.content or ""
+        for ev in c.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            logit_bias={str(forced): 100},
+        )
+        if ev.choices
+    ]
+    assert "".join(parts) == tok.decode([forced] * 3)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pagoda.node_agent.params import MAX_LOGPROBS, SamplingParams
+from pagoda.node_agent.params import MAX_LOGPROBS, RequestError, SamplingParams, logit_bias_from_json
 from pagoda.node_agent.serving.api.errors import ApiError, printable
 from pagoda.node_agent.serving.api.logprobs import chat_wants, completion_wants
 
@@ -46,17 +46,12 @@ def _null_or_empty_list(v: Any) -> bool:
     return v is None or v == []
 
 
-def _null_or_empty_dict(v: Any) -> bool:
-    return v is None or v == {}
-
-
 def _null_or(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
 # OpenAI fields this server does not implement -> the values that mean "not used"
 COMMON_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _null_or_empty_dict,
     "service_tier": _null_or("auto", "default"),
 }
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
@@ -115,11 +110,23 @@ class _Request(ApiModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    # accepted only with their neutral values (checked before the model is built)
+    # token id (a decimal string) -> bias in [-100, 100]; checked in sampling(), ids against the
+    # model's vocabulary when the engine takes the request
     logit_bias: dict[str, Any] | None = None
+    # accepted only with their neutral values (checked before the model is built)
     service_tier: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = COMMON_UNSUPPORTED
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            try:
+                logit_bias_from_json(v)
+            except RequestError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +164,7 @@ class _Request(ApiModel):
             seed=seed,
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
+            logit_bias=logit_bias_from_json(self.logit_bias) if self.logit_bias else {},
         )
 
 
