@@ -46,6 +46,38 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
+def eos_token_ids(model_source: str) -> list[int]:
+    """The tokens that end a generation of ``model_source`` (its GGUF metadata, else config.json and
+    generation_config.json). The bench bans them (``logit_bias`` -100) beside ``ignore_eos``:
+    llama-server implements ``ignore_eos`` as such a ban, Pagoda (as vLLM) only does not stop at
+    them, and a sampled end-of-turn token has no text, so two tokens share the chunk after it and
+    the streams would differ in what they generate, not in speed."""
+    from pagoda.node_agent.models.loader import resolve_source
+
+    kind, path = resolve_source(model_source)
+    ids: set[int] = set()
+    if kind == "gguf":
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ):
+            f = reader.fields.get(key)
+            if f is not None:
+                ids.add(int(f.contents()))
+        return sorted(ids)
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        v = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        ids.update(
+            t for t in (v if isinstance(v, list) else [v]) if isinstance(t, int) and not isinstance(t, bool)
+        )
+    return sorted(ids)
+
+
 def workload(kind: str, n: int, tag: str) -> list[str]:
     if kind == "shared-prefix":
         return [f"{SHARED_PREAMBLE}Question {i}: {p}" for i, p in enumerate(bench_prompts(n, salt=tag))]
@@ -96,10 +128,11 @@ class StreamTally:
                 "prompt": u.get("prompt_tokens") or 0, "cached": cached, "tpot": tpot}  # fmt: skip
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streaming completion; TTFT and the gaps between content chunks, tokens from usage."""
+async def one_request(client, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+    """One streaming completion; TTFT and the gaps between content chunks, tokens from usage.
+    ``extra``: more body fields (the workload's ``logit_bias``)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}  # fmt: skip
     import httpx
 
     tally = StreamTally(time.perf_counter())
@@ -121,7 +154,9 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
     return tally.result()
 
 
-async def run_point(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+async def run_point(
+    url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra: dict | None = None
+) -> dict:
     import httpx
 
     queue = list(prompts)
@@ -129,7 +164,7 @@ async def run_point(url: str, model: str, prompts: list[str], concurrency: int, 
 
     async def worker(c) -> None:
         while queue:
-            results.append(await one_request(c, model, queue.pop(0), max_tokens))
+            results.append(await one_request(c, model, queue.pop(0), max_tokens, extra))
 
     async with httpx.AsyncClient(base_url=url, timeout=300) as c:
         before = await serve_engine.read_counters(c)
@@ -167,10 +202,17 @@ HOST_FIGURES = ("engine_step_s", "itl_mean_s", "host_cost_s")  # where the serve
 
 
 def point_variants(
-    mode: str, url: str, model: str, concurrency: list[int], num_requests: int, max_tokens: int
+    mode: str,
+    url: str,
+    model: str,
+    concurrency: list[int],
+    num_requests: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> list[Variant]:
     """One variant per workload and concurrency against the server at ``url``. Its warm-up seeds the
-    shared preamble with one short request (not a measured prompt); each repeat sends fresh prompts."""
+    shared preamble with one short request (not a measured prompt); each repeat sends fresh prompts
+    (with the body fields ``extra``)."""
     out = []
     for kind in ("shared-prefix", "unique"):
         for c in concurrency:
@@ -178,10 +220,10 @@ def point_variants(
 
             def run(r: int, kind=kind, c=c, n=n) -> dict:
                 prompts = workload(kind, n, tag=f"{mode[0]}{c}-r{r}-")
-                return asyncio.run(run_point(url, model, prompts, c, max_tokens))
+                return asyncio.run(run_point(url, model, prompts, c, max_tokens, extra))
 
             def warm(kind=kind, c=c) -> None:
-                asyncio.run(run_point(url, model, workload(kind, 1, tag=f"warm-{mode[0]}{c}-"), 1, 2))
+                asyncio.run(run_point(url, model, workload(kind, 1, tag=f"warm-{mode[0]}{c}-"), 1, 2, extra))
 
             out.append(Variant(f"{mode}/{kind}/{c}", run, warm))
     return out
@@ -221,6 +263,8 @@ def bench_serve(
         )
     served = model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
     point = {"concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens}
+    banned = eos_token_ids(model)  # ignore_eos as llama-server has it: the end tokens are never sampled
+    extra = {"logit_bias": {str(t): -100 for t in banned}} if banned else None
     procs = []
     baselines: list[dict] = []
     try:
@@ -252,7 +296,7 @@ def bench_serve(
                         launch.start_server(engine_argv, port, mode == "disaggregated", start_timeout)
                     )
                 urls[mode] = f"http://127.0.0.1:{port}"
-        by_mode = {m: point_variants(m, u, served, **point) for m, u in urls.items()}
+        by_mode = {m: point_variants(m, u, served, **point, extra=extra) for m, u in urls.items()}
         if serve_engine.ENGINE_MODE in modes and make_engine is not None:
             by_mode[serve_engine.ENGINE_MODE] = serve_engine.engine_variants(
                 make_engine, workload, concurrency, max_tokens
@@ -300,7 +344,7 @@ def bench_serve(
         "threads_note": "each server process runs with torch's default threads; llama-server gets the same count",
     }
     return {"bench": "serve", **env, "model": model, "max_tokens": max_tokens, "num_requests": num_requests,
-            "repeats": repeats, "engine_args": engine_argv, "rows": rows, "baselines": baselines,
+            "repeats": repeats, "engine_args": engine_argv, "eos_banned": banned, "rows": rows, "baselines": baselines,
             "versus": versus(rows), "stream_versus_engine": serve_engine.stream_versus_engine(rows),
             "method": "all servers up for the whole bench; warm-up per point, then repeats interleaved across "
             "modes point by point; median, min, max; errors and requests summed over repeats"}  # fmt: skip

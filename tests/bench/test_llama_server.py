@@ -186,3 +186,31 @@ def test_a_request_on_a_connection_the_server_closed_is_sent_once_more() -> None
 
     with pytest.raises(httpx.RemoteProtocolError):  # a server that keeps doing it is an error
         asyncio.run(run(httpx.MockTransport(always)))
+
+
+def test_the_workload_bans_the_end_tokens_on_every_server(tmp_path) -> None:
+    """``ignore_eos`` means a ban on llama-server and only "do not stop" on Pagoda: the bench sends
+    the ban to both, read from the GGUF (the built-in model's <|im_end|>) or a directory's configs."""
+    import asyncio
+    import json
+
+    import httpx
+
+    from pagoda.node_agent.bench.serve import eos_token_ids, one_request
+
+    assert eos_token_ids(BUILTIN) == [2]
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [7, 9], "model_type": "llama"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    assert eos_token_ids(str(tmp_path)) == [7, 9, 11]
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, content=b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n')
+
+    async def run() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://b") as c:
+            return await one_request(c, "m", "p", 2, {"logit_bias": {"2": -100}})
+
+    asyncio.run(run())
+    assert bodies[0]["logit_bias"] == {"2": -100} and bodies[0]["ignore_eos"] is True
