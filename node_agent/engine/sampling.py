@@ -98,28 +98,33 @@ def _draw(lp: torch.Tensor, rows: list[int], seqs: list[Sequence], chosen: torch
         chosen[i] = int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """``logits`` with each biased row's ``logit_bias`` added (-100 bans a token: -inf); a new tensor
-    when a row is biased (the model's logits may be inference tensors). A row the bias would leave
-    with no token to sample (its grammar allows only banned ones) keeps its logits unbiased: the
-    constraint is kept, the bias cannot be."""
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Add each biased row's ``logit_bias`` to its logits in place (-100 bans a token: -inf), in one
+    scatter over the biased entries only. A constrained row the bias would leave with no token to
+    sample (its grammar allows only banned ones) keeps its logits unbiased: the constraint is kept,
+    the bias cannot be. An unconstrained row (finite logits) can only be emptied by a ban of its
+    whole vocabulary (a tiny model's), and is guarded the same way."""
     rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
     if not rows:
-        return logits
+        return
+    at, cols, vals = [], [], []
+    for i in rows:
+        for tok, v in seqs[i].params.logit_bias.items():
+            at.append(i)
+            cols.append(tok)
+            vals.append(float("-inf") if v <= -LOGIT_BIAS_MAX else float(v))
     dev = logits.device
-    add = torch.zeros(len(rows), logits.shape[-1], dtype=logits.dtype, device=dev)
-    for j, i in enumerate(rows):
-        bias = seqs[i].params.logit_bias
-        vals = [float("-inf") if v <= -LOGIT_BIAS_MAX else float(v) for v in bias.values()]
-        add[j, torch.tensor(list(bias), dtype=torch.long, device=dev)] = torch.tensor(
-            vals, dtype=logits.dtype, device=dev
-        )
-    at = torch.tensor(rows, device=dev)
-    plain = logits[at]
-    biased = plain + add
-    dead = ~torch.isfinite(biased).any(dim=-1)
-    biased = torch.where(dead[:, None], plain, biased)
-    return logits.index_put((at,), biased)
+    vocab = logits.shape[-1]
+    guarded = [i for i in rows if seqs[i].grammar is not None or len(seqs[i].params.logit_bias) >= vocab]
+    with torch.inference_mode():  # the model's logits are inference tensors
+        saved = logits[guarded].clone() if guarded else None
+        idx = (torch.tensor(at, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(idx, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        if guarded:
+            g = torch.tensor(guarded, device=dev)
+            dead = ~torch.isfinite(logits[g]).any(dim=-1)
+            if bool(dead.any()):
+                logits[g[dead]] = saved[dead]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
@@ -127,7 +132,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     logprobs of the rows whose request asked (one device->host copy for tokens and logprobs)."""
     logits = logits.float()
     apply_grammar_masks(logits, seqs)  # a constrained row keeps only the tokens its grammar allows
-    logits = apply_logit_bias(logits, seqs)  # then each request's own biases
+    apply_logit_bias(logits, seqs)  # then each request's own biases
     chosen = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy or s.params.logprobs is not None]
     if not rows:

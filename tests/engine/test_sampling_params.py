@@ -147,8 +147,24 @@ def test_logit_bias_bans_forces_and_never_leaves_a_row_without_a_token():
         for i in range(40)
     ]
     assert all(t in (2, 3) for t in sample(torch.zeros(40, 4), hot).tokens)
-    # a row whose every finite logit is banned (as under a grammar) keeps its logits unbiased
-    masked = torch.tensor([[float("-inf"), 1.0, float("-inf"), float("-inf")]])
-    only = [Sequence("g", [1], SamplingParams(temperature=0.0, logit_bias={1: -100}))]
-    assert torch.equal(apply_logit_bias(masked, only), masked)
-    assert apply_logit_bias(logits, seqs[2:]) is logits  # no bias: the same tensor, no copy
+    # a constrained row whose every allowed token is banned keeps its logits unbiased, and so does
+    # a row whose whole vocabulary is banned; the rows beside them keep their biases
+    masked = torch.tensor([[float("-inf"), 1.0, float("-inf"), float("-inf")], [0.0, 1.0, 2.0, 3.0]])
+    grammar = [Sequence("g", [1], SamplingParams(temperature=0.0, logit_bias={1: -100}))]
+    grammar[0].grammar = object()  # only its presence matters here
+    biased = [Sequence("b", [1], SamplingParams(temperature=0.0, logit_bias={3: -100}))]
+    out = masked.clone()
+    apply_logit_bias(out, grammar + biased)
+    assert (
+        torch.equal(out[0], masked[0])
+        and out[1, 3] == float("-inf")
+        and torch.equal(out[1, :3], masked[1, :3])
+    )
+    everything = [
+        Sequence("all", [1], SamplingParams(temperature=0.0, logit_bias={t: -100 for t in range(4)}))
+    ]
+    assert sample(logits[:1].clone(), everything).tokens == [0]  # the row's own logits' argmax, not an error
+    hot_all = [
+        Sequence("h", [1], SamplingParams(temperature=1.0, seed=1, logit_bias={t: -100 for t in range(4)}))
+    ]
+    assert sample(logits[:1].clone(), hot_all).tokens[0] in range(4)
