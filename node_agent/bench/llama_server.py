@@ -102,17 +102,15 @@ def start(cmd: list[str], port: int, timeout: float) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     try:  # llama-server answers /health with 503 while it loads
         launch.wait_ready(f"http://127.0.0.1:{port}", [proc], timeout, path="/health")
-    except RuntimeError as e:
+    except BaseException as e:
         proc.kill()
         proc.wait()
+        if not isinstance(e, RuntimeError):
+            raise
         log.seek(0)
         tail = log.read().decode(errors="replace")[-1500:]
         sig = f" (killed by {signal.Signals(-proc.returncode).name})" if proc.returncode < 0 else ""
         raise RuntimeError(f"llama-server did not start{sig}: {e}\n{tail}") from e
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
     finally:
         log.close()
     return proc

@@ -250,8 +250,9 @@ def bench_serve(
     Every server runs for the whole bench, so the modes are interleaved point by point (an idle
     server only answers health polls). ``model`` is the engine's model source; ``engine_argv`` the
     engine flags the servers get. The ``llama-server`` mode runs llama.cpp's server on the same GGUF
-    (``llama_server`` names its binary, ``llama_server_args`` are appended to its command line); when it cannot run, the result says why instead. The
-    ``engine`` mode steps ``make_engine()`` in this process (no server; serve_engine.py)."""
+    (``llama_server`` names its binary, ``llama_server_args`` are appended to its command line); when
+    it cannot run, the result says why instead. The ``engine`` mode steps ``make_engine()`` in this
+    process (no server; serve_engine.py)."""
     bad = [m for m in modes if m not in (*MODES, llama_server_mod.MODE, serve_engine.ENGINE_MODE)]
     if bad:
         raise ValueError(

@@ -110,23 +110,23 @@ class _Request(ApiModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    # token id (a decimal string) -> bias in [-100, 100]; checked in sampling(), ids against the
-    # model's vocabulary when the engine takes the request
-    logit_bias: dict[str, Any] | None = None
+    # token id (a decimal string in the body) -> bias in [-100, 100]: read and checked once, here;
+    # the ids against the model's vocabulary when the engine takes the request
+    logit_bias: dict[int, float] | None = None
     # accepted only with their neutral values (checked before the model is built)
     service_tier: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = COMMON_UNSUPPORTED
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            try:
-                logit_bias_from_json(v)
-            except RequestError as exc:
-                raise ValueError(str(exc)) from None
-        return v
+    def _logit_bias(cls, v: Any) -> dict[int, float] | None:
+        if v is None:
+            return None
+        try:
+            return logit_bias_from_json(v)
+        except RequestError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("stop")
     @classmethod
@@ -164,7 +164,7 @@ class _Request(ApiModel):
             seed=seed,
             stop=stop,
             ignore_eos=bool(self.ignore_eos),
-            logit_bias=logit_bias_from_json(self.logit_bias) if self.logit_bias else {},
+            logit_bias=dict(self.logit_bias or {}),
         )
 
 
