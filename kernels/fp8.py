@@ -108,8 +108,8 @@ _DEQUANT_BLOCK_ELEMS = 1 << 18
 _DEQUANT_BIG_BLOCK_ELEMS = 1 << 22
 _DEQUANT_BIG_FROM_ROWS = 64
 # Below this many activation rows the fused native kernel runs (codes decoded in registers for up to 4
-# rows, else once per chunk into L1): on a 2-core AVX-512 Xeon VM, per layer of the built-in model, 0.42x
-# the time of the decode-then-matmul path at 32 rows, 0.76x at 128, 0.96x at 256, 1.32x at 384.
+# rows, else once per chunk into L1); from here the decode-then-matmul path is faster (the crossover
+# measured in docs/measurements.md, "Prefill rows share one decode of the codes").
 _FUSED_BELOW_ROWS = 256
 
 
