@@ -1,16 +1,20 @@
-/* One decoder layer's decode step in one call, for CPUs: the float32 path of a Llama-family layer
- * whose four projections are INT4 (the exact float32 kernel of cpu_int4.c) over float32, FP8 or int8
- * KV pages (cpu_attention.c). Per call, for T tokens (one per sequence):
+/* One decoder layer's step in one call, for CPUs: the float32 path of a Llama-family layer over float32,
+ * FP8 or int8 KV pages (cpu_attention.c) whose four projections are INT4 (the exact float32 kernel of
+ * cpu_int4.c) or FP8 with per-output-channel scales (the fused kernel of cpu_fp8.c). Per call, for T
+ * tokens, each with its own slot, position, block table row and context length:
  *
  *   h = rmsnorm(x) * w_in;  qkv = h @ Wqkv^T (+ bias);  (q, k = per-head rmsnorm);
  *   q, k = rope(q, k);  pages[slots] = k, v;
  *   a = paged_decode(q);  x += a @ Wo^T;  h = rmsnorm(x) * w_post;  gu = h @ Wgu^T;
  *   x += (silu(gate) * up) @ Wdown^T
  *
- * the same sequence of float32 operations as the torch path (node_agent/models/llama.py), except
+ * A decode step has one token per sequence. A prefill chunk gives each of its tokens its sequence's
+ * table and its own position + 1 as the context length: every token's K and V are written before any
+ * query reads, so each query sees exactly the keys at or before its position (causal attention).
+ * The same sequence of float32 operations as the torch path (node_agent/models/llama.py), except
  * that the norms sum their squares in another order, SiLU takes cpu_math.h's exp and the attention
- * kernel sums in its own order (all within float32 rounding). Replaces ~20 torch calls per layer. The
- * caller
+ * kernel sums in its own order (all within float32 rounding); an FP8 projection is the torch path's
+ * own kernel and scale product, bit for bit. Replaces ~20 torch calls per layer. The caller
  * (kernels/cpu_decode_layer_native.py) validates shapes, page ids and slots before the call.
  */
 #include <math.h>
@@ -26,15 +30,19 @@ int pagoda_int4_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *pa
 int pagoda_write_kv(int64_t t, const int64_t *slots, int64_t num_slots, const float *k, int64_t k_stride,
                     int64_t hk, int64_t dk, void *k_cache, int k_mode, void *k_scale, const float *v,
                     int64_t v_stride, int64_t hv, int64_t dv, void *v_cache, int v_mode, void *v_scale);
+int pagoda_fp8_gemm_f32(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y);
 int pagoda_paged_decode(const float *q, int64_t bsz, int64_t hq, int64_t d, const void *k_cache, int k_mode,
                         const void *k_scale, const void *v_cache, int v_mode, const void *v_scale,
                         int64_t num_pages, int64_t page_size, int64_t hkv, const int32_t *tables, int64_t cols,
                         const int32_t *lens, int64_t window, float scale, float *out, int threads);
 
 typedef struct {
-    const uint8_t *packed; /* [n, k / 2], or the 16-row layout of cpu_int4_vnni.c when interleaved */
-    const void *scales, *offsets; /* as pagoda_int4_gemm_f32 reads them in parameter mode `mode` */
+    const uint8_t *packed; /* INT4: [n, k / 2], or the 16-row layout of cpu_int4_vnni.c when interleaved;
+                              FP8: the e4m3 codes [n, k] */
+    const void *scales, *offsets; /* INT4: as pagoda_int4_gemm_f32 reads them in parameter mode `mode`;
+                                     FP8: float32 scales [n], no offsets */
     int64_t mode, n, k, group, interleaved;
+    int64_t fp8; /* 1: an FP8 weight (mode, group, interleaved unused) */
 } pagoda_i4;
 
 typedef struct {
@@ -120,9 +128,18 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
     for (; j < n; j++) out[j] = (g[j] / (1.0f + expf(-g[j]))) * u[j];
 }
 
-/* the VNNI kernel for interleaved weights (code 6, NaN or inf in x, fails the layer: the caller then
- * runs the per-op path), else the float32 one */
+/* FP8: the fused kernel, then each column times its scale (kernels/fp8.py's order). INT4: the VNNI
+ * kernel for interleaved weights (code 6, NaN or inf in x, fails the layer: the caller then runs the
+ * per-op path), else the float32 one */
 static int gemm(const pagoda_i4 *w, const float *x, int64_t m, float *y, int threads) {
+    if (w->fp8) {
+        const int rc = pagoda_fp8_gemm_f32(x, m, w->k, w->packed, w->n, y);
+        if (rc) return rc;
+        const float *s = (const float *)w->scales;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < w->n; j++) y[i * w->n + j] = y[i * w->n + j] * s[j];
+        return 0;
+    }
     if (w->interleaved)
         return pagoda_int4_vnni_gemm_f32(x, m, w->k, w->packed, w->scales, w->offsets, (int)w->mode, w->n, w->group,
                                          y, threads);

@@ -1,8 +1,10 @@
-"""ctypes side of ``cpu_decode_layer.c``: a whole decoder layer's decode step as one native call.
+"""ctypes side of ``cpu_decode_layer.c``: a whole decoder layer's step as one native call.
 
-``DecodeLayerSpec`` holds one layer's fixed part (norm weights, four INT4 weights) as a C struct
-built once; ``run_decode_layers`` runs every layer of one decode step over the step's pages. The
-caller (node_agent/models/native_decode.py) decides which models and steps this path serves.
+``DecodeLayerSpec`` holds one layer's fixed part (norm weights, four INT4 or per-channel FP8
+weights) as a C struct built once; ``run_decode_layers`` runs every layer of one step over the
+step's pages, one block table row and context length per token (``token_tables`` expands a prefill
+chunk's). The caller (node_agent/models/native_decode.py) decides which models and steps this path
+serves.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import Tensor
 
 from .cpu_attention_native import _int32, _mode, _scale_arg
 from .cpu_attention_native import _lib as _attention_lib
+from .cpu_fp8_native import fused_available
+from .fp8 import Fp8Weight
 from .int4 import Int4Weight
 
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -24,7 +28,7 @@ _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class _I4(ctypes.Structure):
     _fields_ = [
         ("packed", _ptr), ("scales", _ptr), ("offsets", _ptr),
-        ("mode", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("interleaved", _i64),
+        ("mode", _i64), ("n", _i64), ("k", _i64), ("group", _i64), ("interleaved", _i64), ("fp8", _i64),
     ]  # fmt: skip
 
 
@@ -69,6 +73,21 @@ def _i4(w: Int4Weight) -> _I4:
     )  # fmt: skip
 
 
+def _fp8(w: Fp8Weight) -> tuple[_I4, Tensor]:
+    """The struct of an FP8 weight and its float32 scales (kept alive by the spec)."""
+    scales = w.scale.float().contiguous()
+    codes = w.weight.view(torch.uint8)
+    return _I4(codes.data_ptr(), scales.data_ptr(), None, 0, w.out_features, w.in_features, 0, 0, 1), scales
+
+
+def fp8_servable(w: object) -> bool:
+    """Whether the native layer can run this weight: per-channel FP8 with contiguous CPU codes, K a
+    multiple of 16, and the fused kernel built (AVX-512 F)."""
+    if type(w) is not Fp8Weight or w.weight.device.type != "cpu" or not w.weight.is_contiguous():
+        return False
+    return w.in_features % 16 == 0 and w.scale.shape == (w.out_features,) and fused_available()
+
+
 def int4_servable(w: object) -> bool:
     """Whether the native layer can run this weight: INT4 with its canonical CPU tensors, parameters
     the kernel reads (float32, float16 or codes), K a multiple of the group."""
@@ -94,15 +113,16 @@ class DecodeLayerSpec:
         eps: float,
         in_norm: Tensor,
         post_norm: Tensor,
-        qkv: Int4Weight,
-        o: Int4Weight,
-        gate_up: Int4Weight,
-        down: Int4Weight,
+        qkv: Int4Weight | Fp8Weight,
+        o: Int4Weight | Fp8Weight,
+        gate_up: Int4Weight | Fp8Weight,
+        down: Int4Weight | Fp8Weight,
         qkv_bias: Tensor | None = None,
         qk_norms: tuple[Tensor, Tensor] | None = None,
         window: int | None = None,
     ) -> DecodeLayerSpec:
-        """The layer's C struct; ``window``: its sliding window (None: every earlier key)."""
+        """The layer's C struct (each projection INT4 or FP8, as ``int4_servable``/``fp8_servable``
+        accept); ``window``: its sliding window (None: every earlier key)."""
         hidden, inter = o.out_features, down.in_features
         shapes = {
             "qkv": (qkv.out_features, qkv.in_features, (hq + 2 * hkv) * d, hidden),
@@ -114,12 +134,20 @@ class DecodeLayerSpec:
             if (n, k) != (want_n, want_k):
                 raise ValueError(f"{name} weight is [{n}, {k}], the layer needs [{want_n}, {want_k}]")
         norms = (in_norm.float().contiguous(), post_norm.float().contiguous())
+        extra: list[Tensor] = []
+
+        def weight(w: Int4Weight | Fp8Weight) -> _I4:
+            if isinstance(w, Int4Weight):
+                return _i4(w)
+            struct, scales = _fp8(w)
+            extra.append(scales)
+            return struct
+
         c = _Layer(
             hidden, hq, hkv, d, inter, eps, norms[0].data_ptr(), norms[1].data_ptr(),
-            _i4(qkv), _i4(o), _i4(gate_up), _i4(down),
+            weight(qkv), weight(o), weight(gate_up), weight(down),
         )  # fmt: skip
         c.window = window or 0
-        extra: list[Tensor] = []
         if qkv_bias is not None:
             bias = qkv_bias.float().contiguous()
             if bias.shape != ((hq + 2 * hkv) * d,):
@@ -150,6 +178,14 @@ def page_modes(cache: dict[str, Tensor], scales: dict[str, Tensor]) -> tuple[int
         return None
     km, vm = _mode(k, scales.get("k")), _mode(v, scales.get("v"))
     return None if km is None or vm is None else (km, vm)
+
+
+def token_tables(block_tables: Tensor, cu_q_lens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """A prefill chunk's per-token attention rows: each token's sequence's block table row and, as its
+    context length, its position + 1 (its own key and every earlier one)."""
+    counts = (cu_q_lens[1:] - cu_q_lens[:-1]).long()
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    return block_tables[rows.to(block_tables.device)], (positions + 1).to(torch.int32)
 
 
 def run_decode_layers(

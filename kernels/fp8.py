@@ -110,7 +110,7 @@ _DEQUANT_BIG_FROM_ROWS = 64
 # Below this many activation rows the fused native kernel runs (codes decoded in registers for up to 4
 # rows, else once per chunk into L1); from here the decode-then-matmul path is faster (the crossover
 # measured in docs/measurements.md, "Prefill rows share one decode of the codes").
-_FUSED_BELOW_ROWS = 256
+FUSED_BELOW_ROWS = 256
 
 
 def _fp8_linear_dequant_rows(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -127,7 +127,7 @@ def _fp8_linear_dequant_rows(x: Tensor, w_fp8: Tensor, w_scale: Tensor, bias: Te
     xf = x.float()
     raw = w_fp8.view(torch.uint8)
     native = fp8_native_available()  # the wrappers decline what they do not take (strided codes...)
-    out = fp8_gemm_f32(xf.contiguous(), raw) if native and x.shape[0] < _FUSED_BELOW_ROWS else None
+    out = fp8_gemm_f32(xf.contiguous(), raw) if native and x.shape[0] < FUSED_BELOW_ROWS else None
     if out is None and native:
         out = _decoded_blocks_matmul(xf, raw, fp8_rows_f32)
     if out is None:  # torch's decode reads value * 2**-120: scale back

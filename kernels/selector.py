@@ -4,7 +4,8 @@
 ``--int4-compute``, ``--allow-kernel-fallback``), the environment switches (kernels/switches.py,
 ``PAGODA_KERNELS``) and what built (the native C library), and returns a ``KernelSelection``: the
 INT4 compute the model is built with and a table ``op -> (backend, why)``. The model adds the row
-only it can fill (``decode_layers``: whether every layer runs as one native call), logs the table
+only it can fill (``decode_layers``, ``prefill_layers``: whether every layer of a decode step or a
+small prefill chunk runs as one native call), logs the table
 once (``log_table``) and keeps it; ``/metrics`` and the ``--json`` outputs report it.
 
 Failures are loud: a C compiler that fails to build the native kernels is an error unless the user
@@ -39,6 +40,7 @@ OPS = (
     "paged_attention_decode",
     "paged_attention_prefill",
     "decode_layers",
+    "prefill_layers",
     "integrity_check",
     "moe",
 )
@@ -71,7 +73,7 @@ class KernelSelection:
     table: dict[str, Choice] = field(default_factory=dict)
 
     def note(self, op: str, backend: str, why: str, fallback: bool = False) -> None:
-        """Add or replace the row of ``op`` (the model fills ``decode_layers``)."""
+        """Add or replace the row of ``op`` (the model fills ``decode_layers`` and ``prefill_layers``)."""
         self.table[op] = Choice(backend, why, fallback)
 
     def rows(self) -> list[tuple[str, str, str]]:
@@ -178,12 +180,14 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
     cpu = base == "cpu" and sel.device == "cpu"
     f32 = sel.dtype == torch.float32
     if base == "reference":
-        sel.note("decode_layers", "off", "the reference kernels")
+        for op in ("decode_layers", "prefill_layers"):
+            sel.note(op, "off", "the reference kernels")
         return
     if not cpu:
         sel.note("write_kv", "torch", "no Triton KV write; vectorized torch")
         sel.note("dense_gemm", "torch", "F.linear")
-        sel.note("decode_layers", "off", "CPU only")
+        for op in ("decode_layers", "prefill_layers"):
+            sel.note(op, "off", "CPU only")
         return
     missing = f"native kernels {state}: {reason}"
     vnni = native and switch_on("vnni") and cpu_int4_native.vnni_available()
@@ -221,9 +225,10 @@ def _fill(sel: KernelSelection, base: str, native: bool, state: str, reason: str
         for op in ("write_kv", "paged_attention_decode"):
             sel.note(op, "torch", why, fallback=not native)
     sel.note("paged_attention_prefill", "torch", "scaled_dot_product_attention per sequence")
-    if not switch_on("native_decode"):
-        sel.note("decode_layers", "off", f"{SWITCHES['native_decode']}=0")
-    elif not native:
-        sel.note("decode_layers", "off", missing)
-    else:
-        sel.note("decode_layers", "native", "every layer one native call (checked when the model is built)")
+    for op in ("decode_layers", "prefill_layers"):
+        if not switch_on("native_decode"):
+            sel.note(op, "off", f"{SWITCHES['native_decode']}=0")
+        elif not native:
+            sel.note(op, "off", missing)
+        else:
+            sel.note(op, "native", "every layer one native call (checked when the model is built)")

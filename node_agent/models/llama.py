@@ -204,12 +204,16 @@ class LlamaForCausalLM:
             head, None, head_formats, dtype, kernels, group_size=HEAD_INT4_GROUP, built=built
         )
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
-        # decode steps as one native call per layer where every layer allows it (CPU, float32, INT4)
-        self.native, self.native_reason = NativeDecode.build(self.layers, dtype, device, self.cos.shape[-1])
-        if self.native is not None:
-            kernels.note("decode_layers", "native", "every layer one native call (float32, INT4)")
-        elif kernels.table["decode_layers"].backend == "native":
-            kernels.note("decode_layers", "off", self.native_reason)
+        # decode steps and small prefill chunks as one native call per layer where every layer
+        # allows it (CPU, float32, INT4 or per-channel FP8 weights)
+        self.native, reasons = NativeDecode.build(self.layers, dtype, device, self.cos.shape[-1])
+        self.native_reason = reasons["decode"]  # why decode steps run the torch path ("" if not)
+        self.native_reasons = reasons
+        for phase, op in (("decode", "decode_layers"), ("prefill", "prefill_layers")):
+            if not reasons[phase]:
+                kernels.note(op, "native", "every layer one native call (float32, INT4 or FP8 weights)")
+            elif kernels.table[op].backend == "native":
+                kernels.note(op, "off", reasons[phase])
         if self.decode_head_format != "int8":
             kernels.note("int8_head_gemm", "unused", f"the decode LM head is {self.decode_head_format}")
         kernels.log_table()
@@ -223,14 +227,17 @@ class LlamaForCausalLM:
             else self.tp.embed(b.input_ids, self.embed)
         )
         cos, sin = self.cos[b.positions], self.sin[b.positions]
-        pages = self.native.serves(b, weights_phase or b.phase) if self.native is not None else None
+        phase = weights_phase or b.phase
+        pages = self.native.serves(b, phase) if self.native is not None else None
         if pages is not None:
             try:
-                return self.native.run(x, cos, sin, b, pages)
+                return self.native.run(x, cos, sin, b, pages, phase)
             except FloatingPointError as exc:  # NaN or inf on the way: the torch path gives float semantics
-                log.warning("native decode step fell back to the per-op path: %s", exc)  # (x is untouched)
+                log.warning(
+                    "native %s step fell back to the per-op path: %s", b.phase, exc
+                )  # (x is untouched)
         for layer in self.layers:
-            x = layer.forward(x, cos, sin, b, weights_phase or b.phase)
+            x = layer.forward(x, cos, sin, b, phase)
         return x
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
-"""The native decode layer (kernels/cpu_decode_layer.c) against the torch path it replaces: greedy
-tokens from one engine with ``PAGODA_NATIVE_DECODE`` on and off, over the page formats it serves,
-and its refusals (what it does not serve runs the torch path; bad slots raise)."""
+"""The native layer (kernels/cpu_decode_layer.c) against the torch path it replaces: greedy tokens
+from one engine with ``PAGODA_NATIVE_DECODE`` on and off, over the page formats it serves; small
+prefill chunks on FP8 weights (prompt logits, chunked and batched prompts); and its refusals (what it
+does not serve runs the torch path; bad slots raise)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def test_native_layers_give_the_torch_paths_tokens(make_engine, monkeypatch, dec
 def test_what_the_native_layer_does_not_serve_runs_the_torch_path(make_engine, monkeypatch):
     ref = make_engine(kv_memory=16 << 20)  # the reference formats: dense decode weights
     assert ref.model.native is None and "not float32-computed INT4" in ref.model.native_reason
+    assert (
+        "prefill weights not float32-computed INT4 or per-channel FP8" in ref.model.native_reasons["prefill"]
+    )
     monkeypatch.setenv("PAGODA_NATIVE_DECODE", "0")
     off = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
     assert off.model.native is None and off.model.native_reason == "PAGODA_NATIVE_DECODE=0"
@@ -70,6 +74,7 @@ def test_what_the_native_layer_does_not_serve_runs_the_torch_path(make_engine, m
     forced.add_request("Hello", SamplingParams(max_tokens=3, temperature=0.0))
     assert forced.run_until_done()
     assert "decode_layers/native" not in kernel_stats()
+    assert "prefill_layers/native" not in kernel_stats()
 
 
 def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
@@ -79,17 +84,17 @@ def test_a_slot_beyond_the_pool_is_refused_before_any_layer_runs(make_engine):
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
     native, pool = engine.model.native, engine.decode_pool  # the decode pool
     assert native is not None
-    pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
+    pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs["decode"]))]
     pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
     k = pages[0][0]["k"]
     before = k.clone()
-    d = native.specs[0].c.d
-    x = torch.randn(1, native.specs[0].c.hidden)
+    d = native.specs["decode"][0].c.d
+    x = torch.randn(1, native.specs["decode"][0].c.hidden)
     cos, sin = torch.ones(1, d), torch.zeros(1, d)
     slots = torch.tensor([k.shape[0] * k.shape[1]])
     with pytest.raises(ValueError, match="beyond the KV pool"):
         run_decode_layers(
-            native.specs, x, cos, sin, slots, torch.zeros(1, 1, dtype=torch.int32),
+            native.specs["decode"], x, cos, sin, slots, torch.zeros(1, 1, dtype=torch.int32),
             torch.ones(1, dtype=torch.int32), pages, native.scale, 1,
         )  # fmt: skip
     assert torch.equal(k, before)
@@ -106,15 +111,15 @@ def test_nan_in_a_projection_falls_back_to_the_torch_path(make_engine, monkeypat
         pytest.skip("the VNNI INT4 kernel does not run here (the float32 kernel passes NaN through)")
     engine = make_engine(kv_memory=16 << 20, formats=PhaseFormats())
     native, pool = engine.model.native, engine.decode_pool
-    pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs))]
+    pages = [(pool.layer_cache(i), pool.layer_scales(i)) for i in range(len(native.specs["decode"]))]
     pages = [(cache, scales, page_modes(cache, scales)) for cache, scales in pages]
-    d = native.specs[0].c.d
-    x = torch.randn(1, native.specs[0].c.hidden)
+    d = native.specs["decode"][0].c.d
+    x = torch.randn(1, native.specs["decode"][0].c.hidden)
     x[0, 3] = float("nan")
     before = x.clone()
     with pytest.raises(FloatingPointError, match="layer 0: NaN or inf in the activations of qkv_proj"):
         run_decode_layers(
-            native.specs, x, torch.ones(1, d), torch.zeros(1, d), torch.tensor([0]),
+            native.specs["decode"], x, torch.ones(1, d), torch.zeros(1, d), torch.tensor([0]),
             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), pages, native.scale, 1,
         )  # fmt: skip
     assert torch.allclose(x, before, equal_nan=True)  # the caller's x is not touched
@@ -130,3 +135,61 @@ def test_nan_in_a_projection_falls_back_to_the_torch_path(make_engine, monkeypat
     assert greedy_ids(engine, 4) == want  # every decode step refused natively, then run in torch
     assert calls and "decode_layers/native" not in kernel_stats()
     assert kernel_stats().get("paged_decode_attention/cpu", 0) > 0
+
+
+def test_token_tables_give_each_token_its_sequence_row_and_position():
+    from pagoda.kernels.cpu_decode_layer_native import token_tables
+
+    tables = torch.tensor([[3, 4, 0], [7, 8, 9]], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    rows, lens = token_tables(tables, cu, torch.tensor([16, 17, 18, 0, 1]))
+    assert rows.tolist() == [[3, 4, 0]] * 3 + [[7, 8, 9]] * 2
+    assert lens.dtype == torch.int32 and lens.tolist() == [17, 18, 19, 1, 2]
+
+
+def _torch_prefill(monkeypatch) -> None:
+    """Every prefill chunk on the torch path (decode steps stay native)."""
+    from pagoda.node_agent.models import native_decode
+
+    monkeypatch.setattr(native_decode, "PREFILL_BELOW_TOKENS", 0)
+
+
+def test_small_prefill_chunks_run_natively_on_fp8_weights(make_engine, monkeypatch):
+    """The default formats' FP8 prefill weights run the native layer for a chunk below 256 tokens:
+    the prompt's logits at every position equal the torch path's within float32 rounding (the FP8
+    GEMM is the same kernel; norms, SiLU and attention sum in other orders)."""
+    require_native()
+    from pagoda.kernels.cpu_decode_layer_native import fp8_servable
+
+    engine = make_engine(kv_memory=64 << 20, formats=PhaseFormats())
+    native = engine.model.native
+    assert native is not None and "prefill" in native.specs, engine.model.native_reasons
+    assert "prefill" in native.fp8_phases
+    assert fp8_servable(engine.model.layers[0].o_proj.by_phase["prefill"].weight)
+    ids = engine.tokenize("The paged KV cache keeps each request's keys and values in fixed-size pages. " * 3)
+    reset_kernel_stats()
+    got = engine.score(ids, phase="prefill")
+    assert kernel_stats().get("prefill_layers/native") == 1
+    _torch_prefill(monkeypatch)
+    reset_kernel_stats()
+    want = engine.score(ids, phase="prefill")
+    assert "prefill_layers/native" not in kernel_stats()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 2e-5 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.slow
+def test_chunked_and_batched_prefill_natively_gives_the_torch_paths_tokens(make_engine, monkeypatch):
+    """Prompts split into 16-token chunks (each chunk reads the pages of the earlier ones) and chunks of
+    several sequences in one step: with float32 pages in both pools the tokens are the torch path's."""
+    require_native()
+    engine = make_engine(formats=PhaseFormats(decode_kv="bf16"), max_num_batched_tokens=16, max_num_seqs=8)
+    reset_kernel_stats()
+    native = _greedy(engine)
+    assert kernel_stats().get("prefill_layers/native", 0) >= 8
+    _torch_prefill(monkeypatch)
+    reset_kernel_stats()
+    torch_path = _greedy(engine)
+    assert "prefill_layers/native" not in kernel_stats()
+    assert native == torch_path
