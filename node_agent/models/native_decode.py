@@ -8,7 +8,10 @@ fewer than ``PREFILL_BELOW_TOKENS`` tokens run it with the prefill weights (FP8 
 token attending through its sequence's pages up to its own position: a small chunk's step then costs
 its GEMMs, not per-op overhead, which is what a time-budgeted prefill floor between two decode
 steps pays for. Larger chunks keep the torch path, whose attention is one batched product per
-sequence and whose FP8 GEMM decodes the codes once for all rows. Everything else (other formats or
+sequence and whose FP8 GEMM decodes the codes once for all rows; so do chunks over 1-byte pages (a
+prompt scored through the decode pool): the two paths' float32 results differ in the last bits,
+and a page's int8 or FP8 rounding can turn that into a visible difference, so a prompt and its
+prefix, one above the size bound and one below, would score apart. Everything else (other formats or
 families, tensor parallelism, bfloat16 pages, the reference kernels, ``PAGODA_NATIVE_DECODE=0``)
 runs the torch path; ``NativeDecode.build`` says why a phase is not served.
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pagoda.kernels.cpu_attention_native import MODE_F32
 from pagoda.kernels.cpu_decode_layer_native import (
     DecodeLayerSpec,
     LayerPages,
@@ -160,7 +164,7 @@ class NativeDecode:
         for i in range(len(specs)):
             cache, scales = b.kv.layer_cache(i), b.kv.layer_scales(i)
             modes = page_modes(cache, scales)
-            if modes is None:
+            if modes is None or (b.phase != "decode" and modes != (MODE_F32, MODE_F32)):
                 return None
             pages.append((cache, scales, modes))
         return pages

@@ -193,3 +193,16 @@ def test_chunked_and_batched_prefill_natively_gives_the_torch_paths_tokens(make_
     torch_path = _greedy(engine)
     assert "prefill_layers/native" not in kernel_stats()
     assert native == torch_path
+
+
+def test_a_prompt_over_one_byte_pages_keeps_the_torch_path(make_engine):
+    """Scoring through the decode pool (int8 pages): a last-bit difference between the paths could
+    flip a page's rounding, so a prompt and its prefix on either side of the size bound would score
+    apart; such chunks stay on the torch path whatever their size."""
+    require_native()
+    engine = make_engine(kv_memory=64 << 20, formats=PhaseFormats())
+    assert engine.decode_pool.kv_format == "int8"
+    reset_kernel_stats()
+    engine.score(engine.tokenize("A short prompt scored with the decode weights."), phase="decode")
+    assert "prefill_layers/native" not in kernel_stats()
+    assert kernel_stats().get("paged_prefill_attention/cpu", 0) > 0
