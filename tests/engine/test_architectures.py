@@ -140,3 +140,54 @@ def test_native_decode_layer_matches_the_torch_path(tiny_model, monkeypatch):
     assert "decode_layers/native" not in kernel_stats()
     scale = torch_path.abs().max().item()
     assert (native - torch_path).abs().max().item() <= 1e-5 * scale, arch
+
+
+def _native_and_torch_prefill(engine, ids: list[int], monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt's logits at every position through the prefill weights: the native layer's, then
+    the torch path's (the same engine, every chunk sent to torch)."""
+    from pagoda.kernels.dispatch import kernel_stats, reset_kernel_stats
+    from pagoda.node_agent.models import native_decode
+
+    reset_kernel_stats()
+    native = engine.score(ids, phase="prefill")
+    assert kernel_stats().get("prefill_layers/native") == 1
+    monkeypatch.setattr(native_decode, "PREFILL_BELOW_TOKENS", 0)
+    reset_kernel_stats()
+    torch_path = engine.score(ids, phase="prefill")
+    assert "prefill_layers/native" not in kernel_stats()
+    return native, torch_path
+
+
+def fp8_prefill_engine(path) -> LLMEngine:
+    """FP8 prefill weights over float32 pages (INT4 decode), where the fused FP8 kernel runs."""
+    from pagoda.kernels.cpu_fp8_native import fused_available
+
+    from ..native_build import require_native
+
+    require_native()
+    if not fused_available():
+        pytest.skip("the fused FP8 kernel needs AVX-512 F: FP8 prefill chunks keep the torch path here")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            formats=PhaseFormats("fp8", "bf16", "int4", "bf16"),
+            kv_memory=8 << 20,
+        )
+    )
+    assert engine.model.native is not None and "prefill" in engine.model.native.specs, (
+        engine.model.native_reasons
+    )
+    return engine
+
+
+def test_native_prefill_layer_matches_the_torch_path(tiny_model, monkeypatch):
+    """FP8 prefill weights: every family here runs a small prefill chunk natively (Qwen2's biases,
+    Qwen3's q/k norms, scaled RoPE), and the prompt's logits at every position equal the torch
+    path's within float32 rounding."""
+    arch, _, ref = tiny_model
+    engine = fp8_prefill_engine(ref.config.model)
+    ids = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+    native, torch_path = _native_and_torch_prefill(engine, ids, monkeypatch)
+    scale = torch_path.abs().max().item()
+    assert (native - torch_path).abs().max().item() <= 1e-5 * scale, arch

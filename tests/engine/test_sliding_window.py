@@ -175,3 +175,15 @@ def test_qwen2_windows_only_its_upper_layers(tmp_path, builtin_tokenizer):
         want = model(torch.tensor([ids])).logits[0].float()
     got = engine.score(ids, phase="prefill")
     assert (got - want).abs().max().item() < MAX_ABS_LOGIT_DIFF
+
+
+def test_native_prefill_layer_keeps_the_window(mistral, monkeypatch):
+    """A 200-token prompt through FP8 prefill weights, three windows long: the native layer's
+    per-token attention rows take the window as the torch path's causal mask does."""
+    from tests.engine.test_architectures import _native_and_torch_prefill, fp8_prefill_engine
+
+    _, ref = mistral
+    engine = fp8_prefill_engine(ref.config.model)
+    ids = _prompts(1, 200, seed=5)[0]
+    native, torch_path = _native_and_torch_prefill(engine, ids, monkeypatch)
+    assert (native - torch_path).abs().max().item() <= 1e-5 * torch_path.abs().max().item()
